@@ -1,0 +1,12 @@
+// Numerical constants of the contract, shared by every kernel. Mirrored in
+// flashkda/_constants.py (tests/test_constants.py checks that they agree).
+#pragma once
+
+namespace flashkda {
+
+// q / sqrt(sum(q^2) + kL2NormEps) under use_qk_l2norm_in_kernel.
+constexpr float kL2NormEps = 1e-6f;
+// softplus(x) = x above this threshold, log1p(exp(x)) below it.
+constexpr float kSoftplusThreshold = 20.0f;
+
+}  // namespace flashkda

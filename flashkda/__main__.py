@@ -1,0 +1,115 @@
+"""``python -m flashkda``: run a small KDA workload (prefill, then decode from a slot pool) on CUDA
+when present, else on the CPU reference; check it against the fp64 recurrence and print a table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import flashkda
+from flashkda import _ext
+from flashkda.reference import kda_reference
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _timed(fn, device: torch.device, repeats: int):
+    fn()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashkda", description=__doc__)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    on_cuda = dev.type == "cuda"
+    torch.manual_seed(args.seed)
+
+    # Kimi-Linear-like head: K = V = 128 with the lower-bound gate; a smaller one on the CPU.
+    H, D = (16, 128) if on_cuda else (4, 64)
+    lens = [700, 1, 97, 1250] if on_cuda else [150, 1, 17, 97]
+    T = sum(lens)
+    dt = torch.bfloat16 if on_cuda else torch.float32
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    q, k, v, g = (torch.randn(1, T, H, D, device=dev, dtype=dt) for _ in range(4))
+    beta = torch.randn(1, T, H, device=dev, dtype=dt)
+    A_log = torch.rand(H, device=dev)
+    dt_bias = torch.randn(H * D, device=dev)
+    h0 = 0.1 * torch.randn(len(lens), H, D, D, device=dev)
+    gate = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias, state_v_first=True)
+    rows = []
+    repeats = 10 if on_cuda else 2
+
+    # Prefill.
+    def prefill():
+        return flashkda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                  **gate)
+
+    ms = _timed(prefill, dev, repeats)
+    o, ht = prefill()
+    ref_o, ref_ht = kda_reference(*(x.double() for x in (q, k, v, g, beta)), initial_state=h0.double(),
+                                  output_final_state=True, cu_seqlens=cu.cpu(), core="recurrent", **gate)
+    rows.append(("chunk_kda", f"varlen {lens}, H={H}, D={D}", ms, _rel(o, ref_o), _rel(ht, ref_ht)))
+
+    # Decode: one token per sequence from a shuffled fp32 slot pool, in place.
+    N, slots = 64 if on_cuda else 8, (64 if on_cuda else 8) + 8
+    pool = 0.1 * torch.randn(slots, H, D, D, device=dev)
+    idx = torch.randperm(slots, device=dev)[:N].to(torch.int32)
+    qd, kd, vd, gd = (torch.randn(N, 1, H, D, device=dev, dtype=dt) for _ in range(4))
+    bd = torch.randn(N, 1, H, device=dev, dtype=dt)
+    ref_pool = pool.double().clone()
+    ref_od, _ = kda_reference(*(x.double() for x in (qd, kd, vd, gd, bd)), initial_state=ref_pool,
+                              ssm_state_indices=idx.cpu(), core="recurrent", **gate)
+    work = pool.clone()
+    od, _ = flashkda.fused_recurrent_kda(qd, kd, vd, gd, bd, initial_state=work, ssm_state_indices=idx, **gate)
+    scratch = pool.clone()
+    ms_d = _timed(lambda: flashkda.fused_recurrent_kda(qd, kd, vd, gd, bd, initial_state=scratch,
+                                                       ssm_state_indices=idx, **gate), dev, repeats)
+    rows.append(("fused_recurrent_kda", f"N={N} x 1 token, H={H}, D={D}, pool {slots}", ms_d, _rel(od, ref_od),
+                 _rel(work, ref_pool)))
+
+    backend = "CUDA kernels" if (on_cuda and _ext.HAS_EXTENSION and not _ext.config.force_reference) else "reference"
+    if on_cuda and not _ext.HAS_EXTENSION:
+        backend += f" (extension unavailable: {_ext.EXTENSION_ERROR})"
+    print(f"flashkda {flashkda.__version__} on {dev}" +
+          (f" ({torch.cuda.get_device_name(dev)})" if on_cuda else "") + f", backend: {backend}, inputs {dt}")
+    print(f"{'function':<22}{'shape':<46}{'median ms':>10}{'out err':>10}{'state err':>11}")
+    worst = 0.0
+    for name, shape, t, eo, es in rows:
+        print(f"{name:<22}{shape:<46}{t:>10.3f}{eo:>10.1e}{es:>11.1e}")
+        worst = max(worst, eo, es)
+    tol = 5e-3 if dt == torch.bfloat16 else 1e-4
+    ok = worst <= tol and worst == worst
+    print(f"relative L2 error vs the fp64 recurrence: worst {worst:.1e} (tolerance {tol:.0e}): "
+          f"{'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

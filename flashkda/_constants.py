@@ -1,0 +1,16 @@
+"""Numerical constants of the contract and kernel limits, defined once.
+
+The CUDA side reads the same values from ``csrc/flashkda/constants.h``; ``tests/test_constants.py``
+checks that the two agree.
+"""
+
+#: ``q / sqrt(sum(q^2) + L2NORM_EPS)`` in ``use_qk_l2norm_in_kernel``.
+L2NORM_EPS = 1e-6
+#: ``softplus(x) = x`` above this threshold, ``log1p(exp(x))`` below it.
+SOFTPLUS_THRESHOLD = 20.0
+#: Tokens per chunk of the PyTorch reference's chunked core.
+REFERENCE_CHUNK = 32
+#: Head dimensions (K == V) served by the CUDA kernels; anything else uses the reference.
+KERNEL_HEAD_DIMS = (64, 128)
+#: Range allowed for ``lower_bound``.
+LOWER_BOUND_MIN = -5.0

@@ -1,0 +1,52 @@
+"""Loads the compiled extension ``flashkda._C`` (it registers ``torch.ops.flashkda.*``) and holds
+the run-time switches read from the environment at import.
+
+* ``FLASHKDA_FORCE_REFERENCE=1``: every call uses the PyTorch reference.
+* ``FLASHKDA_DEBUG=1``: checks that need the device's data (slot indices within the pool,
+  ``cu_seqlens`` order on CUDA) run, synchronising, and raise instead of skipping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("flashkda")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class Config:
+    force_reference: bool = False
+    debug: bool = False
+
+    @classmethod
+    def from_env(cls) -> "Config":
+        return cls(force_reference=_env_flag("FLASHKDA_FORCE_REFERENCE"), debug=_env_flag("FLASHKDA_DEBUG"))
+
+
+config = Config.from_env()
+
+try:
+    from flashkda import _C  # noqa: F401  (registers torch.ops.flashkda)
+
+    HAS_EXTENSION = True
+    EXTENSION_ERROR = None
+except ImportError as e:  # pure-Python install, or a build for another torch
+    HAS_EXTENSION = False
+    EXTENSION_ERROR = str(e)
+    log.debug("flashkda: CUDA extension not available (%s); the PyTorch reference serves every call", e)
+
+if HAS_EXTENSION:
+
+    @torch.library.register_fake("flashkda::recurrent_fwd")
+    def _recurrent_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,
+                            ssm_state_indices, num_accepted_tokens, o, scale, gate_mode, lower_bound, l2norm,
+                            beta_sigmoid, allow_neg_eigval, state_v_first):
+        return None

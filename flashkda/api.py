@@ -1,0 +1,432 @@
+"""The public functions of the contract (``shared/KDA_SPEC.md``): validation, then dispatch.
+
+Every function validates its arguments first (``ValueError``/``TypeError`` naming the argument),
+then runs a CUDA kernel when the extension is present and the inputs are supported, and the
+PyTorch reference (:mod:`flashkda.reference`) otherwise. The reason for every fallback is logged at
+debug level on the ``flashkda`` logger. The CUDA path never synchronises with the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Tuple
+
+import torch
+
+from flashkda import _constants as C
+from flashkda import _ext
+from flashkda._ext import log
+from flashkda.reference import kda_reference
+
+__all__ = ["chunk_kda", "fused_recurrent_kda", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+
+_FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_KERNEL_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STATE_TYPES = (torch.float32, torch.bfloat16, torch.float64)
+_INDEX_TYPES = (torch.int32, torch.int64)
+
+# Gate modes of the kernels; values match flashkda::GateMode in csrc/flashkda/recurrent_params.h.
+GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = 0, 1, 2
+
+
+def _tensor(x: Any, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"flashkda: {name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _opt_tensor(x: Any, name: str) -> Optional[torch.Tensor]:
+    return None if x is None else _tensor(x, name)
+
+
+def _dtype(x: torch.Tensor, name: str, allowed) -> None:
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"flashkda: {name} must have dtype in ({names}), got {str(x.dtype).replace('torch.', '')}")
+
+
+def _shape(x: torch.Tensor, name: str, expected: Tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"flashkda: {name} must have shape {what} = {list(expected)}, got {list(x.shape)}")
+
+
+def _device(x: torch.Tensor, name: str, device: torch.device) -> None:
+    if x.device != device:
+        raise ValueError(f"flashkda: {name} is on {x.device}, expected {device} (the device of q)")
+
+
+class _Problem:
+    """Validated arguments plus the derived sizes the dispatch needs."""
+
+    __slots__ = ("B", "T", "H", "HV", "K", "V", "N", "scalar_gate", "scale", "gate_mode", "serving")
+
+
+def _validate(
+    fn: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
+    use_gate_in_kernel: bool, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool, state_v_first: bool, ssm_state_indices=None, num_accepted_tokens=None, out=None,
+) -> _Problem:
+    q, k, v, g, beta = (_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
+    if q.dim() != 4:
+        raise ValueError(f"flashkda: q must be 4-D [B, T, H, K], got shape {list(q.shape)}")
+    B, T, H, K = q.shape
+    _shape(k, "k", (B, T, H, K), "[B, T, H, K] like q")
+    if v.dim() != 4 or v.shape[0] != B or v.shape[1] != T:
+        raise ValueError(f"flashkda: v must have shape [B, T, HV, V] = [{B}, {T}, HV, V], got {list(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"flashkda: the value heads of v ({HV}) must be a multiple of the heads of q ({H})")
+    if scalar_gate:
+        _shape(g, "g", (B, T, HV), "[B, T, HV]")
+    else:
+        _shape(g, "g", (B, T, HV, K), "[B, T, HV, K]")
+    _shape(beta, "beta", (B, T, HV), "[B, T, HV]")
+    _dtype(q, "q", _FLOAT_TYPES)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"flashkda: q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    _dtype(g, "g", _FLOAT_TYPES)
+    _dtype(beta, "beta", _FLOAT_TYPES)
+    dev = q.device
+    for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+        _device(x, n, dev)
+
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"flashkda: scale must be a float or None, got {type(scale).__name__}")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("flashkda: allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True")
+    if lower_bound is not None:
+        if not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"flashkda: lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        if not (C.LOWER_BOUND_MIN <= lower_bound < 0):
+            raise ValueError(f"flashkda: lower_bound must lie in [{C.LOWER_BOUND_MIN}, 0), got {lower_bound}")
+    if use_gate_in_kernel:
+        if A_log is not None:
+            A_log = _tensor(A_log, "A_log")
+            _dtype(A_log, "A_log", (torch.float32, torch.float64))
+            _shape(A_log, "A_log", (HV,), "[HV]")
+            _device(A_log, "A_log", dev)
+        if dt_bias is not None:
+            dt_bias = _tensor(dt_bias, "dt_bias")
+            _dtype(dt_bias, "dt_bias", (torch.float32, torch.float64))
+            if scalar_gate:
+                _shape(dt_bias, "dt_bias", (HV,), "[HV]")
+            elif tuple(dt_bias.shape) not in ((HV * K,), (HV, K)):
+                raise ValueError(f"flashkda: dt_bias must have shape [HV*K] = [{HV * K}] or [HV, K] = "
+                                 f"[{HV}, {K}], got {list(dt_bias.shape)}")
+            _device(dt_bias, "dt_bias", dev)
+
+    cu_seqlens = _opt_tensor(cu_seqlens, "cu_seqlens")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"flashkda: cu_seqlens must be 1-D [N+1], got shape {list(cu_seqlens.shape)}")
+        _dtype(cu_seqlens, "cu_seqlens", _INDEX_TYPES)
+        _device(cu_seqlens, "cu_seqlens", dev)
+        if B != 1:
+            raise ValueError(f"flashkda: with cu_seqlens the batch size must be 1, got B={B}")
+        N = cu_seqlens.numel() - 1
+        host = cu_seqlens_cpu if cu_seqlens_cpu is not None else (cu_seqlens if cu_seqlens.device.type == "cpu" else None)
+        if host is None and _ext.config.debug:
+            host = cu_seqlens.cpu()  # FLASHKDA_DEBUG: synchronising check
+        if host is not None:
+            _check_offsets(host, T, "cu_seqlens_cpu" if cu_seqlens_cpu is not None else "cu_seqlens", N)
+    else:
+        N = B
+
+    serving = ssm_state_indices is not None
+    initial_state = _opt_tensor(initial_state, "initial_state")
+    if serving:
+        idx = _tensor(ssm_state_indices, "ssm_state_indices")
+        if initial_state is None:
+            raise ValueError("flashkda: ssm_state_indices needs initial_state (the state pool [num_slots, HV, ...])")
+        _dtype(idx, "ssm_state_indices", _INDEX_TYPES)
+        _device(idx, "ssm_state_indices", dev)
+        if idx.dim() not in (1, 2) or idx.shape[0] != N:
+            raise ValueError(f"flashkda: ssm_state_indices must have shape [N] or [N, T_max] with N = {N}, "
+                             f"got {list(idx.shape)}")
+        if idx.dim() == 2 and cu_seqlens is None and idx.shape[1] < T:
+            raise ValueError(f"flashkda: ssm_state_indices [N, T_max] needs T_max >= T = {T}, got {idx.shape[1]}")
+        if num_accepted_tokens is not None:
+            acc = _tensor(num_accepted_tokens, "num_accepted_tokens")
+            if idx.dim() != 2:
+                raise ValueError("flashkda: num_accepted_tokens needs ssm_state_indices of shape [N, T_max]")
+            _dtype(acc, "num_accepted_tokens", _INDEX_TYPES)
+            _shape(acc, "num_accepted_tokens", (N,), "[N]")
+            _device(acc, "num_accepted_tokens", dev)
+        if not initial_state.is_contiguous():
+            raise ValueError("flashkda: the state pool initial_state must be contiguous (it is updated in place)")
+        slots = initial_state.shape[0]
+        if idx.device.type == "cpu" or _ext.config.debug:
+            hi = int(idx.max()) if idx.numel() else -1
+            if hi >= slots:
+                raise ValueError(f"flashkda: ssm_state_indices names slot {hi}, but the pool has {slots} slots")
+    elif num_accepted_tokens is not None:
+        raise ValueError("flashkda: num_accepted_tokens needs ssm_state_indices")
+    if initial_state is not None:
+        _dtype(initial_state, "initial_state", _STATE_TYPES)
+        _device(initial_state, "initial_state", dev)
+        layout = "[N, HV, V, K]" if state_v_first else "[N, HV, K, V]"
+        tail = (HV, V, K) if state_v_first else (HV, K, V)
+        if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != tail or (
+                not serving and initial_state.shape[0] != N):
+            want = ["num_slots" if serving else N, *tail]
+            raise ValueError(f"flashkda: initial_state must have shape {layout} = {want}, got "
+                             f"{list(initial_state.shape)}")
+    if out is not None:
+        out = _tensor(out, "out")
+        _shape(out, "out", tuple(v.shape), "v.shape")
+        if out.dtype != v.dtype:
+            raise TypeError(f"flashkda: out must have the dtype of v ({v.dtype}), got {out.dtype}")
+        _device(out, "out", dev)
+        if not out.is_contiguous():
+            raise ValueError("flashkda: out must be contiguous")
+
+    p = _Problem()
+    p.B, p.T, p.H, p.HV, p.K, p.V, p.N = B, T, H, HV, K, V, N
+    p.scalar_gate = scalar_gate
+    p.scale = float(K ** -0.5 if scale is None else scale)
+    if not use_gate_in_kernel:
+        p.gate_mode = GATE_PRECOMPUTED
+    else:
+        p.gate_mode = GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND
+    p.serving = serving
+    return p
+
+
+def _check_offsets(host: torch.Tensor, T: int, name: str, N: int) -> None:
+    vals = host.tolist()
+    if len(vals) != N + 1:
+        raise ValueError(f"flashkda: {name} has {len(vals)} entries, expected N+1 = {N + 1}")
+    if vals[0] != 0:
+        raise ValueError(f"flashkda: {name}[0] must be 0, got {vals[0]}")
+    if vals[-1] != T:
+        raise ValueError(f"flashkda: {name}[-1] must equal T = {T}, got {vals[-1]}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        raise ValueError(f"flashkda: {name} must be non-decreasing")
+
+
+def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) -> Optional[str]:
+    """Why the CUDA kernels cannot serve these inputs, or None when they can."""
+    if _ext.config.force_reference:
+        return "FLASHKDA_FORCE_REFERENCE=1"
+    if not q.is_cuda:
+        return f"inputs are on {q.device}"
+    if not _ext.HAS_EXTENSION:
+        return f"CUDA extension not available ({_ext.EXTENSION_ERROR})"
+    if p.K != p.V or p.K not in C.KERNEL_HEAD_DIMS:
+        return f"head dims K={p.K}, V={p.V} (kernels: K == V in {C.KERNEL_HEAD_DIMS})"
+    if q.dtype not in _KERNEL_TYPES or g.dtype not in _KERNEL_TYPES or beta.dtype not in _KERNEL_TYPES:
+        return "float64 inputs"
+    if initial_state is not None and initial_state.dtype not in (torch.float32, torch.bfloat16):
+        return f"initial_state dtype {initial_state.dtype}"
+    for t, n in ((A_log, "A_log"), (dt_bias, "dt_bias")):
+        if t is not None and t.dtype != torch.float32:
+            return f"{n} dtype {t.dtype}"
+    return None
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                          output_final_state, l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first,
+                          ssm_state_indices, num_accepted_tokens, out):
+    q, k, v, g, beta = (_last_dim_contiguous(x) for x in (q, k, v, g, beta))
+    o = out if out is not None else torch.empty_like(v, memory_format=torch.contiguous_format)
+    if A_log is not None and not A_log.is_contiguous():
+        A_log = A_log.contiguous()
+    if dt_bias is not None:
+        dt_bias = dt_bias.reshape(-1)
+        if not dt_bias.is_contiguous():
+            dt_bias = dt_bias.contiguous()
+    if p.gate_mode == GATE_PRECOMPUTED:
+        A_log = dt_bias = None
+    if p.serving:
+        pool = initial_state
+        h0, ht = None, pool
+        if ssm_state_indices.stride(-1) != 1:
+            ssm_state_indices = ssm_state_indices.contiguous()
+    else:
+        h0 = None if initial_state is None else initial_state.contiguous()
+        ht = None
+        if output_final_state:
+            shape = (p.N, p.HV, p.V, p.K) if state_v_first else (p.N, p.HV, p.K, p.V)
+            ht = torch.empty(shape, dtype=torch.float32, device=q.device)
+    torch.ops.flashkda.recurrent_fwd(
+        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, ssm_state_indices, num_accepted_tokens, o,
+        p.scale, p.gate_mode, float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid,
+        allow_neg_eigval, state_v_first)
+    return o, ht
+
+
+def _reference(p: _Problem, reason: str, q, k, v, g, beta, **kw):
+    log.debug("flashkda: using the PyTorch reference: %s", reason)
+    return kda_reference(q, k, v, g, beta, scale=p.scale, **kw)
+
+
+def _state_v_first(state_v_first: bool, kwargs: dict) -> bool:
+    if "transpose_state_layout" in kwargs:
+        warnings.warn("flashkda: transpose_state_layout is deprecated; use state_v_first",
+                      DeprecationWarning, stacklevel=3)
+        return bool(kwargs.pop("transpose_state_layout")) or state_v_first
+    return state_v_first
+
+
+def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+           use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first,
+           cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, kwargs):
+    state_v_first = _state_v_first(state_v_first, kwargs)
+    if kwargs:
+        log.debug("flashkda: %s ignores keyword arguments %s", fn, sorted(kwargs))
+    p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
+                  A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                  state_v_first=state_v_first)
+    lb = lower_bound if use_gate_in_kernel else None
+    reason = _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
+    if reason is None:
+        # The token-by-token kernel computes the contract exactly (fp32 state); it serves prefill
+        # until a chunked kernel covers the case.
+        return _run_recurrent_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                                     output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                     allow_neg_eigval, lb, state_v_first, None, None, None)
+    return _reference(p, reason, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                      lower_bound=lb, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first,
+                      cu_seqlens=cu_seqlens, core="chunk")
+
+
+def _recurrent(fn, scalar_gate, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+               use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out, kwargs):
+    state_v_first = _state_v_first(state_v_first, kwargs)
+    if kwargs:
+        log.debug("flashkda: %s ignores keyword arguments %s", fn, sorted(kwargs))
+    p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
+                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                  dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out)
+    lb = lower_bound if use_gate_in_kernel else None
+    reason = _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
+    if reason is None:
+        return _run_recurrent_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                                     output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                     allow_neg_eigval, lb, state_v_first, ssm_state_indices, num_accepted_tokens, out)
+    return _reference(p, reason, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                      lower_bound=lb, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first,
+                      cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+                      num_accepted_tokens=num_accepted_tokens, out=out, core="recurrent")
+
+
+_ARGS_DOC = """
+    Args:
+        q: ``[B, T, H, K]`` queries; float32, bfloat16 or float16 (float64 runs the reference).
+        k: ``[B, T, H, K]`` keys, dtype of ``q``.
+        v: ``[B, T, HV, V]`` values, dtype of ``q``; ``HV`` a multiple of ``H`` (value head ``hv`` reads
+            q/k head ``hv // (HV // H)``).
+        g: {g_doc}
+        beta: ``[B, T, HV]`` step sizes (raw logits with ``use_beta_sigmoid_in_kernel``); any float dtype.
+        scale: multiplies q after the optional l2 norm; default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (``[N, HV, V, K]`` with ``state_v_first``), float32 or bfloat16;
+            zeros when None. ``N = B``, or ``len(cu_seqlens) - 1``.
+        output_final_state: also return the state after each sequence, float32, in the same layout.
+        use_qk_l2norm_in_kernel: l2-normalise q and k per token (eps {eps}).
+        use_gate_in_kernel: compute the log decay from raw ``g`` with ``A_log`` and ``dt_bias``:
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` when ``lower_bound`` is set, else
+            ``-exp(A_log) * softplus(g + dt_bias)``. Otherwise ``g`` is the log decay itself (``<= 0``).
+        use_beta_sigmoid_in_kernel: ``beta <- sigmoid(beta)``.
+        allow_neg_eigval: ``beta <- 2 * sigmoid(beta)``; needs ``use_beta_sigmoid_in_kernel``.
+        lower_bound: lower bound of the sigmoid gate, in ``[-5, 0)``.
+        state_v_first: states are ``[..., V, K]`` instead of ``[..., K, V]``.
+        cu_seqlens: int32/int64 ``[N+1]`` offsets of packed sequences (then ``B == 1``); zero-length
+            sequences pass their state through.
+        A_log: float32 ``[HV]``; ``exp(A_log)`` scales the gate (1 when None).
+        dt_bias: float32 {dt_doc}; added to raw ``g`` (zero when None).
+"""
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
+              cu_seqlens_cpu=None, A_log=None, dt_bias=None, **kwargs):
+    return _chunk("chunk_kda", False, q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, kwargs)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False,
+                           cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, **kwargs):
+    return _chunk("chunk_gated_delta_rule", True, q, k, v, g, beta, scale, initial_state, output_final_state,
+                  use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, kwargs)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                        out=None, **kwargs):
+    return _recurrent("fused_recurrent_kda", False, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                      output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, ssm_state_indices,
+                      num_accepted_tokens, out, kwargs)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False,
+                                     use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                     allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
+                                     ssm_state_indices=None, num_accepted_tokens=None, out=None, **kwargs):
+    return _recurrent("fused_recurrent_gated_delta_rule", True, q, k, v, g, beta, A_log, dt_bias, scale,
+                      initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                      use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+                      ssm_state_indices, num_accepted_tokens, out, kwargs)
+
+
+_CHUNK_EXTRA = """
+        safe_gate: a promise that every log decay is ``>= lower_bound``; may select a faster kernel,
+            never a different result.
+        cu_seqlens_cpu: a host copy of ``cu_seqlens``, used for checks without a device sync.
+
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in the dtype of ``v``; ``final_state`` as described
+        under ``output_final_state``, or None.
+"""
+
+_RECURRENT_EXTRA = """
+        ssm_state_indices: serving mode. int32/int64 ``[N]`` (one slot per sequence: read ``idx[n]``, write
+            the state after the last token back to ``idx[n]``) or ``[N, T_max]`` (read ``idx[n, 0]``, or
+            ``idx[n, num_accepted_tokens[n] - 1]``; write the state after token ``t`` to ``idx[n, t]``).
+            ``initial_state`` is then the slot pool ``[num_slots, HV, ...]`` (float32 or bfloat16), updated
+            in place; slots not named are never touched. A negative slot is padding: the sequence (or
+            token) is skipped, nothing is written, its output is zero. On CUDA a slot beyond the pool is
+            skipped the same way (``FLASHKDA_DEBUG=1`` raises instead).
+        num_accepted_tokens: int32/int64 ``[N]``, speculative decoding (with ``[N, T_max]`` indices).
+        out: optional ``[B, T, HV, V]`` contiguous buffer (dtype of ``v``) that receives the output.
+
+    Returns:
+        ``(o, final_state)``. In serving mode ``final_state`` is the pool itself; otherwise a new float32
+        state when ``output_final_state``, else None.
+"""
+
+_KDA_G = "``[B, T, HV, K]`` per-key-channel gate: the log decay, or raw with ``use_gate_in_kernel``."
+_GDN_G = "``[B, T, HV]`` scalar gate per head: the log decay, or raw with ``use_gate_in_kernel``."
+_KDA_DT = "``[HV*K]`` or ``[HV, K]``"
+_GDN_DT = "``[HV]``"
+
+chunk_kda.__doc__ = ("Chunked prefill of Kimi Delta Attention (per-channel decay)." +
+                     _ARGS_DOC.format(g_doc=_KDA_G, dt_doc=_KDA_DT, eps=C.L2NORM_EPS) + _CHUNK_EXTRA)
+chunk_gated_delta_rule.__doc__ = ("Chunked prefill of Gated DeltaNet (one scalar decay per head)." +
+                                  _ARGS_DOC.format(g_doc=_GDN_G, dt_doc=_GDN_DT, eps=C.L2NORM_EPS) + _CHUNK_EXTRA)
+fused_recurrent_kda.__doc__ = ("Token-by-token KDA (decode, speculative verification), with a serving slot pool." +
+                               _ARGS_DOC.format(g_doc=_KDA_G, dt_doc=_KDA_DT, eps=C.L2NORM_EPS) + _RECURRENT_EXTRA)
+fused_recurrent_gated_delta_rule.__doc__ = ("Token-by-token Gated DeltaNet with a serving slot pool." +
+                                            _ARGS_DOC.format(g_doc=_GDN_G, dt_doc=_GDN_DT, eps=C.L2NORM_EPS) +
+                                            _RECURRENT_EXTRA)

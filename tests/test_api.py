@@ -1,0 +1,229 @@
+"""Public API on the CPU: results, validation messages, dispatch reasons, varlen helpers."""
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashkda
+from flashkda import _constants as C
+from flashkda import _ext
+from flashkda.varlen import pack, unpack
+
+from helpers import make_inputs, public_fn, reference64, rel_err
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("gdn", [False, True])
+def test_public_functions_match_oracle(kind, gdn):
+    kw = make_inputs(lens=[5, 0, 19], H=2, HV=4, D=16, gdn=gdn, gate="lower_bound")
+    o, s = public_fn(kind, gdn)(**kw, output_final_state=True)
+    ref_o, ref_s = reference64(kw, output_final_state=True)
+    assert o.dtype == kw["v"].dtype and s.dtype == torch.float32
+    assert rel_err(o, ref_o) < 1e-5 and rel_err(s, ref_s) < 1e-5
+
+
+def test_fp64_inputs_stay_fp64():
+    kw = make_inputs(T=9, H=1, D=8, dtype=torch.float64, state_dtype=torch.float64, gate="softplus")
+    o, s = flashkda.chunk_kda(**kw, output_final_state=True)
+    ref_o, ref_s = reference64(kw, output_final_state=True)
+    assert o.dtype == torch.float64 and rel_err(o, ref_o) < 1e-12 and rel_err(s, ref_s) < 1e-12
+
+
+def test_out_buffer_and_serving_on_cpu():
+    kw = make_inputs(B=3, T=1, H=1, D=8, state=False, gate="softplus")
+    pool = torch.randn(5, 1, 8, 8)
+    out = torch.full_like(kw["v"], float("nan"))
+    idx = torch.tensor([4, -1, 0])
+    o, ret = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx, out=out)
+    assert o is out and ret is pool
+    assert torch.isfinite(out).all() and torch.count_nonzero(out[1]) == 0
+
+
+def test_transpose_state_layout_alias():
+    kw = make_inputs(T=4, H=1, D=8, state_v_first=False)
+    kw.pop("state_v_first")
+    with pytest.warns(DeprecationWarning):
+        a, sa = flashkda.chunk_kda(**kw, output_final_state=True, transpose_state_layout=True)
+    b, sb = flashkda.chunk_kda(**kw, output_final_state=True, state_v_first=True)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(sa, sb)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: every bad input of the contract raises the right exception naming the argument.
+# --------------------------------------------------------------------------------------------
+
+
+def _bad(mutate):
+    kw = make_inputs(lens=[3, 4], H=2, HV=4, D=8)
+    mutate(kw)
+    return kw
+
+
+BAD_INPUTS = [
+    ("q", TypeError, lambda kw: kw.update(q=[1, 2])),
+    ("q", ValueError, lambda kw: kw.update(q=kw["q"][0])),
+    ("k", ValueError, lambda kw: kw.update(k=kw["k"][..., :4])),
+    ("v", ValueError, lambda kw: kw.update(v=kw["v"][:, :3])),
+    ("heads", ValueError, lambda kw: kw.update(v=kw["v"][:, :, :3], g=kw["g"][:, :, :3], beta=kw["beta"][:, :, :3])),
+    ("g", ValueError, lambda kw: kw.update(g=kw["g"][..., 0])),
+    ("beta", ValueError, lambda kw: kw.update(beta=kw["beta"][..., None])),
+    ("dtype", TypeError, lambda kw: kw.update(k=kw["k"].half())),
+    ("g", TypeError, lambda kw: kw.update(g=kw["g"].int())),
+    ("lower_bound", ValueError, lambda kw: kw.update(lower_bound=-6.0)),
+    ("lower_bound", ValueError, lambda kw: kw.update(lower_bound=0.0)),
+    ("allow_neg_eigval", ValueError, lambda kw: kw.update(allow_neg_eigval=True, use_beta_sigmoid_in_kernel=False)),
+    ("A_log", ValueError, lambda kw: kw.update(A_log=torch.zeros(3))),
+    ("A_log", TypeError, lambda kw: kw.update(A_log=torch.zeros(4, dtype=torch.bfloat16))),
+    ("dt_bias", ValueError, lambda kw: kw.update(dt_bias=torch.zeros(4))),
+    ("cu_seqlens", TypeError, lambda kw: kw.update(cu_seqlens=kw["cu_seqlens"].float())),
+    ("cu_seqlens", ValueError, lambda kw: kw.update(cu_seqlens=torch.tensor([0, 5, 4], dtype=torch.int32))),
+    ("cu_seqlens", ValueError, lambda kw: kw.update(cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32))),
+    ("cu_seqlens", ValueError, lambda kw: kw.update(cu_seqlens=torch.tensor([1, 3, 7], dtype=torch.int32))),
+    ("batch size", ValueError, lambda kw: kw.update({n: torch.cat([kw[n]] * 2) for n in ("q", "k", "v", "g", "beta")})),
+    ("initial_state", ValueError, lambda kw: kw.update(initial_state=kw["initial_state"][:1])),
+    ("initial_state", ValueError, lambda kw: kw.update(initial_state=kw["initial_state"][..., :4])),
+    ("initial_state", TypeError, lambda kw: kw.update(initial_state=kw["initial_state"].half())),
+    ("scale", TypeError, lambda kw: kw.update(scale="0.5")),
+]
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+@pytest.mark.parametrize("name,exc,mutate", BAD_INPUTS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_INPUTS)])
+def test_bad_input_is_rejected(kind, name, exc, mutate):
+    kw = _bad(mutate)
+    with pytest.raises(exc, match=re.escape(name) if name not in ("heads", "dtype") else None) as info:
+        public_fn(kind, False)(**kw)
+    assert str(info.value).startswith("flashkda:")
+
+
+SERVING_BAD = [
+    ("ssm_state_indices", TypeError, dict(ssm_state_indices=torch.tensor([0.0, 1.0]))),
+    ("ssm_state_indices", ValueError, dict(ssm_state_indices=torch.tensor([0, 1, 2]))),
+    ("pool has 4 slots", ValueError, dict(ssm_state_indices=torch.tensor([0, 4]))),
+    ("num_accepted_tokens", ValueError, dict(ssm_state_indices=torch.tensor([0, 1]),
+                                            num_accepted_tokens=torch.tensor([1, 1]))),
+    ("T_max", ValueError, dict(ssm_state_indices=torch.tensor([[0], [1]]))),
+    ("out", ValueError, dict(ssm_state_indices=torch.tensor([0, 1]), out=torch.zeros(2, 1, 1, 8))),
+    ("out", TypeError, dict(ssm_state_indices=torch.tensor([0, 1]), out=torch.zeros(2, 2, 1, 8, dtype=torch.half))),
+]
+
+
+@pytest.mark.parametrize("name,exc,extra", SERVING_BAD, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(SERVING_BAD)])
+def test_bad_serving_input_is_rejected(name, exc, extra):
+    kw = make_inputs(B=2, T=2, H=1, D=8, state=False)
+    kw["initial_state"] = torch.zeros(4, 1, 8, 8)
+    with pytest.raises(exc, match=re.escape(name)):
+        flashkda.fused_recurrent_kda(**kw, **extra)
+
+
+def test_serving_needs_a_pool():
+    kw = make_inputs(B=2, T=1, H=1, D=8, state=False)
+    with pytest.raises(ValueError, match="initial_state"):
+        flashkda.fused_recurrent_kda(**kw, ssm_state_indices=torch.tensor([0, 1]))
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch reasons
+# --------------------------------------------------------------------------------------------
+
+
+def test_cpu_inputs_log_the_fallback_reason(caplog):
+    kw = make_inputs(T=3, H=1, D=8)
+    with caplog.at_level(logging.DEBUG, logger="flashkda"):
+        flashkda.fused_recurrent_kda(**kw)
+    assert any("PyTorch reference" in r.message and "inputs are on cpu" in r.message for r in caplog.records)
+
+
+def test_force_reference_is_a_reason(caplog, monkeypatch):
+    monkeypatch.setattr(_ext.config, "force_reference", True)
+    kw = make_inputs(T=3, H=1, D=8)
+    with caplog.at_level(logging.DEBUG, logger="flashkda"):
+        flashkda.chunk_kda(**kw)
+    assert any("FLASHKDA_FORCE_REFERENCE=1" in r.message for r in caplog.records)
+
+
+def test_unsupported_reasons():
+    from flashkda.api import _kernel_unsupported, _validate
+
+    kw = make_inputs(T=3, H=1, D=24)
+    p = _validate("chunk_kda", kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scalar_gate=False, scale=None,
+                  initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, use_gate_in_kernel=True,
+                  A_log=None, dt_bias=None, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True,
+                  allow_neg_eigval=False, state_v_first=False)
+    assert "inputs are on cpu" in _kernel_unsupported(p, kw["q"], kw["g"], kw["beta"], None, None, None)
+    meta = kw["q"].to("meta")
+    meta.is_cuda  # meta tensors are not CUDA: the device reason comes first whatever else is wrong
+    assert p.K == 24 and 24 not in C.KERNEL_HEAD_DIMS
+
+
+def test_import_reports_extension_state():
+    assert isinstance(flashkda.HAS_EXTENSION, bool)
+    if not flashkda.HAS_EXTENSION:
+        assert _ext.EXTENSION_ERROR
+
+
+# --------------------------------------------------------------------------------------------
+# Varlen helpers
+# --------------------------------------------------------------------------------------------
+
+
+def test_pack_unpack_roundtrip():
+    seqs = [torch.randn(n, 3, 2) for n in (4, 0, 1, 7)]
+    packed, cu = pack(seqs)
+    assert packed.shape == (1, 12, 3, 2) and cu.tolist() == [0, 4, 4, 5, 12] and cu.dtype == torch.int32
+    back = unpack(packed, cu)
+    assert all(torch.equal(a, b) for a, b in zip(seqs, back))
+    padded = unpack(packed, cu, padded=True)
+    assert padded.shape == (4, 7, 3, 2) and torch.count_nonzero(padded[1]) == 0
+    packed2, cu2 = pack(padded, lengths=[4, 0, 1, 7])
+    assert torch.equal(packed2, packed) and torch.equal(cu2, cu)
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError, match="lengths"):
+        pack(torch.zeros(2, 3, 1))
+    with pytest.raises(ValueError, match="lengths"):
+        pack(torch.zeros(2, 3, 1), lengths=[1, 4])
+    with pytest.raises(ValueError, match="trailing shape"):
+        pack([torch.zeros(2, 3), torch.zeros(2, 4)])
+
+
+def test_varlen_call_equals_separate_calls():
+    seqs = [make_inputs(T=n, H=1, D=8, state=False, seed=n) for n in (3, 6)]
+    names = ("q", "k", "v", "g", "beta")
+    packed = {n: pack([s[n][0] for s in seqs])[0] for n in names}
+    _, cu = pack([s["q"][0] for s in seqs])
+    rest = {n: x for n, x in seqs[0].items() if n not in names}
+    rest["A_log"], rest["dt_bias"] = seqs[0]["A_log"], seqs[0]["dt_bias"]
+    o, _ = flashkda.chunk_kda(**packed, **rest, cu_seqlens=cu)
+    for s, part in zip(seqs, unpack(o, cu)):
+        s = dict(s, A_log=rest["A_log"], dt_bias=rest["dt_bias"])
+        single, _ = flashkda.chunk_kda(**s)
+        torch.testing.assert_close(part, single[0])
+
+
+# --------------------------------------------------------------------------------------------
+# One fact in one place: constants shared by Python and CUDA
+# --------------------------------------------------------------------------------------------
+
+
+def test_cuda_constants_match_python():
+    text = (ROOT / "csrc" / "flashkda" / "constants.h").read_text()
+    eps = float(re.search(r"kL2NormEps = ([0-9.e+-]+)f", text).group(1))
+    thr = float(re.search(r"kSoftplusThreshold = ([0-9.e+-]+)f", text).group(1))
+    assert eps == C.L2NORM_EPS and thr == C.SOFTPLUS_THRESHOLD
+    switch = (ROOT / "csrc" / "flashkda" / "static_switch.h").read_text()
+    dims = sorted(int(d) for d in re.findall(r"CONST_NAME = (\d+);", switch))
+    assert tuple(dims) == C.KERNEL_HEAD_DIMS
+    params = (ROOT / "csrc" / "flashkda" / "recurrent_params.h").read_text()
+    from flashkda import api
+
+    for name, value in (("kPrecomputed", api.GATE_PRECOMPUTED), ("kLowerBound", api.GATE_LOWER_BOUND),
+                        ("kSoftplus", api.GATE_SOFTPLUS)):
+        assert re.search(rf"{name} = {value},", params)
