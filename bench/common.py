@@ -1,0 +1,60 @@
+"""Timing and bookkeeping shared by the microbenchmarks (method: shared/BENCH_SETUP.md)."""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from typing import Callable, List
+
+import torch
+
+#: Measured device-to-device copy bandwidth of the H200 (bytes read + written per second).
+COPY_BANDWIDTH = 4.3e12
+
+RESULTS: List[dict] = []
+
+
+def cuda_median_ms(fn: Callable[[], object], warmup: int = 5, rounds: int = 2, calls: int = 50) -> float:
+    """Median of per-call CUDA-event times: each call timed alone, so host gaps show."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        times += [s.elapsed_time(e) for s, e in events]
+    return statistics.median(times)
+
+
+def host_overhead_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Wall time of `calls` eager calls issued back to back without synchronising, per call.
+
+    The launch queue absorbs the GPU work, so for small kernels this is the Python + dispatch cost.
+    """
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def floor_ms(nbytes: float) -> float:
+    return nbytes / COPY_BANDWIDTH * 1e3
+
+
+def record(case: str, impl: str, median_ms: float, floor: float, **extra) -> dict:
+    rec = dict(case=case, impl=impl, median_ms=round(median_ms, 5), floor_ms=round(floor, 5),
+               date=datetime.date.today().isoformat(), **extra)
+    RESULTS.append(rec)
+    return rec

@@ -1,0 +1,30 @@
+"""Benchmarks run on a CUDA device only; the records collected in common.RESULTS are written to
+the JSON file named by --flashkda-results at the end of the session."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import common  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--flashkda-results", default=None, help="write benchmark records (JSON list) here")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="benchmarks need a CUDA device")
+        for item in items:
+            item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = session.config.getoption("--flashkda-results")
+    if path and common.RESULTS:
+        Path(path).write_text(json.dumps(common.RESULTS, indent=1) + "\n")

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device-machine session: build the extension for the arch in FLASHKDA_CUDA_ARCHS (default 90a),
+# run the GPU tests and the benchmarks, and print a short table last. Wheels that the machine lacks
+# (fla-core, nvidia-cutlass) are installed from .whl/ when present. Logs and JSON go to $OUT.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
+OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
+what=${1:-all}   # all | tests | bench
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+t0=$(date +%s)
+FLASHKDA_CUDA_ARCHS=${FLASHKDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
+  python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+rc=0
+if [[ $what == all || $what == tests ]]; then
+  python3 -m pytest -q -x tests/ -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
+  python3 -m flashkda 2>&1 | tee "$OUT/main.log" || rc=1
+fi
+if [[ $what == all || $what == bench ]]; then
+  python3 -m pytest -q bench/ -p no:cacheprovider --flashkda-results "$OUT/results.json" \
+    --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -5
+  python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" || rc=1
+fi
+exit $rc

@@ -1,0 +1,204 @@
+"""The recurrent CUDA kernel against the fp64 oracle (skipped without a GPU and the extension)."""
+
+import pytest
+import torch
+
+import flashkda
+from flashkda.reference import kda_reference
+
+from helpers import HAS_CUDA_KERNELS, as_fp64_cpu, make_inputs, public_fn, reference64, rel_err
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")]
+
+TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def _poison_allocator(like: torch.Tensor, count: int = 4) -> None:
+    """Fill freed cache blocks with NaN so that an output the kernel fails to write shows up."""
+    blocks = [torch.full((like.numel() + 1024,), float("nan"), dtype=torch.float32, device="cuda")
+              for _ in range(count)]
+    del blocks
+
+
+def _check(kw, kind="recurrent", gdn=False, tol=None, **extra):
+    tol = tol or TOL[kw["q"].dtype]
+    _poison_allocator(kw["v"])
+    o, s = public_fn(kind, gdn)(**kw, output_final_state=True, **extra)
+    torch.cuda.synchronize()
+    ref_o, ref_s = reference64(kw, output_final_state=True)
+    eo, es = rel_err(o, ref_o), rel_err(s, ref_s)
+    assert eo <= tol, f"output error {eo:.2e} > {tol:.0e}"
+    assert es <= tol, f"state error {es:.2e} > {tol:.0e}"
+    return eo, es
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("state_v_first", [True, False])
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
+@pytest.mark.parametrize("D", [128, 64])
+def test_kda_modes(dtype, state_v_first, gate, D):
+    kw = make_inputs(lens=[1, 17, 0, 6], H=2, HV=4, D=D, gate=gate, dtype=dtype, device="cuda",
+                     state_v_first=state_v_first, mask_prob=0.05)
+    _check(kw)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
+@pytest.mark.parametrize("state_v_first", [True, False])
+def test_gdn_modes(gate, state_v_first):
+    kw = make_inputs(B=3, T=5, H=2, HV=2, D=128, gate=gate, gdn=True, dtype=torch.bfloat16, device="cuda",
+                     state_v_first=state_v_first)
+    _check(kw, gdn=True)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_gva_and_options(group):
+    kw = make_inputs(B=2, T=7, H=2, HV=2 * group, D=128, gate="softplus", dtype=torch.float32, device="cuda")
+    kw.update(allow_neg_eigval=True, use_qk_l2norm_in_kernel=False, scale=0.05)
+    _check(kw)
+
+
+def test_bf16_initial_state_and_no_state():
+    kw = make_inputs(lens=[3, 9], H=1, D=128, dtype=torch.bfloat16, device="cuda", state_dtype=torch.bfloat16)
+    _check(kw)
+    kw.pop("initial_state")
+    _check(kw)
+
+
+def test_strided_inputs():
+    kw = make_inputs(B=2, T=4, H=2, D=64, dtype=torch.bfloat16, device="cuda")
+    big = torch.randn(2, 4, 3, 2, 64, device="cuda", dtype=torch.bfloat16)  # q, k, v fused
+    kw["q"], kw["k"], kw["v"] = big[:, :, 0], big[:, :, 1], big[:, :, 2]
+    assert not kw["q"].is_contiguous()
+    _check(kw)
+
+
+def test_prefill_long_varlen():
+    """chunk_kda on CUDA: odd lengths, an empty sequence and one longer than 1000 tokens."""
+    kw = make_inputs(lens=[1, 17, 97, 0, 1100], H=2, D=128, dtype=torch.bfloat16, device="cuda")
+    _check(kw, kind="chunk")
+
+
+def test_out_buffer_is_fully_written():
+    kw = make_inputs(B=4, T=2, H=2, D=128, dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(kw["v"], float("nan"))
+    o, _ = flashkda.fused_recurrent_kda(**kw, out=out)
+    assert o is out and torch.isfinite(out).all()
+    ref_o, _ = reference64(kw)
+    assert rel_err(out, ref_o) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_v_first", [True, False])
+def test_serving_pool_per_sequence(pool_dtype, state_v_first):
+    N, slots, D = 6, 11, 128
+    kw = make_inputs(B=N, T=1, H=2, HV=4, D=D, dtype=torch.bfloat16, device="cuda", state=False,
+                     state_v_first=state_v_first)
+    pool = (0.1 * torch.randn(slots, 4, D, D, device="cuda")).to(pool_dtype)
+    idx = torch.tensor([7, -1, 0, 3, 10, -5], dtype=torch.int32, device="cuda")
+    before = pool.clone()
+    ref_pool = before.double().cpu()
+    ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=idx.cpu(),
+                             core="recurrent")
+    out = torch.full_like(kw["v"], float("nan"))
+    o, ret = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx, out=out)
+    torch.cuda.synchronize()
+    assert ret is pool and o is out
+    named = {7, 0, 3, 10}
+    for s in range(slots):
+        if s not in named:
+            assert torch.equal(pool[s], before[s]), f"slot {s} was touched"
+    assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[5]) == 0
+    tol = TOL[torch.bfloat16] if pool_dtype == torch.float32 else 1e-2
+    assert rel_err(out, ref_o) <= TOL[torch.bfloat16]
+    assert rel_err(pool[sorted(named)], ref_pool[sorted(named)]) <= tol
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_serving_spec_decode(index_dtype):
+    """[N, T] slots with num_accepted_tokens over varlen draft lengths, padding tokens and rows."""
+    D, slots = 128, 40
+    lens = [3, 1, 4, 2]
+    kw = make_inputs(lens=lens, H=2, HV=4, D=D, dtype=torch.bfloat16, device="cuda", state=False,
+                     state_v_first=True)
+    idx = torch.tensor([[1, 2, 3, -1], [4, -1, -1, -1], [-1, 5, 6, 7], [8, 9, -1, -1]], dtype=index_dtype,
+                       device="cuda")
+    acc = torch.tensor([2, 1, 1, 2], dtype=index_dtype, device="cuda")
+    pool = 0.1 * torch.randn(slots, 4, D, D, device="cuda")
+    before = pool.clone()
+    ref_pool = before.double().cpu()
+    ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=idx.cpu(),
+                             num_accepted_tokens=acc.cpu(), core="recurrent")
+    o, _ = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=acc)
+    torch.cuda.synchronize()
+    assert rel_err(o, ref_o) <= TOL[torch.bfloat16]
+    assert rel_err(pool, ref_pool) <= 1e-5
+    for s in range(10, slots):
+        assert torch.equal(pool[s], before[s])
+
+
+def test_out_of_range_slot_is_skipped_on_cuda():
+    kw = make_inputs(B=2, T=1, H=1, D=64, dtype=torch.bfloat16, device="cuda", state=False)
+    pool = torch.randn(3, 1, 64, 64, device="cuda")
+    before = pool.clone()
+    idx = torch.tensor([1, 1000], dtype=torch.int32, device="cuda")
+    o, _ = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(o[1]) == 0
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
+    assert not torch.equal(pool[1], before[1])
+
+
+def test_cuda_graph_replay_matches_eager():
+    N, D, slots = 8, 128, 16
+    gen_kw = dict(B=N, T=1, H=2, HV=2, D=D, dtype=torch.bfloat16, device="cuda", state=False, state_v_first=True)
+    static = make_inputs(**gen_kw)
+    pool = 0.1 * torch.randn(slots, 2, D, D, device="cuda")
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
+    out = torch.empty_like(static["v"])
+    names = ("q", "k", "v", "g", "beta")
+
+    def step():
+        flashkda.fused_recurrent_kda(**static, initial_state=pool, ssm_state_indices=idx, out=out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        fresh = make_inputs(**gen_kw)
+        for n in names:
+            static[n].copy_(fresh[n])
+        pool_eager = pool.clone()
+        o_eager, _ = flashkda.fused_recurrent_kda(**static, initial_state=pool_eager, ssm_state_indices=idx)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, o_eager)
+        assert torch.equal(pool, pool_eager)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    N, D, slots = 4, 128, 8
+    kw = make_inputs(B=N, T=1, H=2, D=D, dtype=torch.bfloat16, device="cuda", state=False, state_v_first=True)
+    idx = torch.arange(N, dtype=torch.int32, device="cuda")
+
+    def decode_step(q, k, v, g, beta, pool):
+        q = q * 1.5  # surrounding work that the compiler fuses
+        o, _ = flashkda.fused_recurrent_kda(q, k, v, g, beta, A_log=kw["A_log"], dt_bias=kw["dt_bias"],
+                                            initial_state=pool, ssm_state_indices=idx,
+                                            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                            use_beta_sigmoid_in_kernel=True, lower_bound=-5.0, state_v_first=True)
+        return o.float().sum(-1)
+
+    compiled = torch.compile(decode_step, fullgraph=True)
+    pool_c = 0.1 * torch.randn(slots, 2, D, D, device="cuda")
+    pool_e = pool_c.clone()
+    args = [kw[n] for n in ("q", "k", "v", "g", "beta")]
+    out_c = compiled(*args, pool_c)
+    out_e = decode_step(*args, pool_e)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out_c, out_e)
+    torch.testing.assert_close(pool_c, pool_e)
