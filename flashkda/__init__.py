@@ -24,3 +24,8 @@ __all__ = [
     "HAS_EXTENSION",
     "config",
 ]
+
+# Register flashkda as a backend of FLA's kda ops when fla is installed (FLASHKDA_FLA_BACKEND=0: off).
+from flashkda.integrations.fla import maybe_register_on_import as _maybe_register_fla  # noqa: E402
+
+_maybe_register_fla()

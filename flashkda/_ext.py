@@ -44,6 +44,8 @@ except ImportError as e:  # pure-Python install, or a build for another torch
     log.debug("flashkda: CUDA extension not available (%s); the PyTorch reference serves every call", e)
 
 if HAS_EXTENSION:
+    recurrent_fwd_op = torch.ops.flashkda.recurrent_fwd.default
+    recurrent_fwd_eager = _C.recurrent_fwd
 
     @torch.library.register_fake("flashkda::recurrent_fwd")
     def _recurrent_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state,

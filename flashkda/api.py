@@ -46,12 +46,13 @@ def _dtype(x: torch.Tensor, name: str, allowed) -> None:
 
 
 def _shape(x: torch.Tensor, name: str, expected: Tuple[int, ...], what: str) -> None:
-    if tuple(x.shape) != tuple(expected):
+    if x.shape != expected:
         raise ValueError(f"flashkda: {name} must have shape {what} = {list(expected)}, got {list(x.shape)}")
 
 
 def _device(x: torch.Tensor, name: str, device: torch.device) -> None:
-    if x.device != device:
+    # get_device() is an int (-1 on the CPU): far cheaper than building torch.device objects.
+    if x.get_device() != device.index if device.type == "cuda" else x.device != device:
         raise ValueError(f"flashkda: {name} is on {x.device}, expected {device} (the device of q)")
 
 
@@ -66,7 +67,7 @@ def _validate(
     use_gate_in_kernel: bool, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, state_v_first: bool, ssm_state_indices=None, num_accepted_tokens=None, out=None,
 ) -> _Problem:
-    q, k, v, g, beta = (_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
+    _tensor(q, "q"), _tensor(k, "k"), _tensor(v, "v"), _tensor(g, "g"), _tensor(beta, "beta")
     if q.dim() != 4:
         raise ValueError(f"flashkda: q must be 4-D [B, T, H, K], got shape {list(q.shape)}")
     B, T, H, K = q.shape
@@ -87,8 +88,10 @@ def _validate(
     _dtype(g, "g", _FLOAT_TYPES)
     _dtype(beta, "beta", _FLOAT_TYPES)
     dev = q.device
-    for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
-        _device(x, n, dev)
+    di = q.get_device()
+    if k.get_device() != di or v.get_device() != di or g.get_device() != di or beta.get_device() != di:
+        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+            _device(x, n, dev)
 
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"flashkda: scale must be a float or None, got {type(scale).__name__}")
@@ -231,16 +234,15 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
                           output_final_state, l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first,
                           ssm_state_indices, num_accepted_tokens, out):
-    q, k, v, g, beta = (_last_dim_contiguous(x) for x in (q, k, v, g, beta))
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    g, beta = _last_dim_contiguous(g), _last_dim_contiguous(beta)
     o = out if out is not None else torch.empty_like(v, memory_format=torch.contiguous_format)
-    if A_log is not None and not A_log.is_contiguous():
-        A_log = A_log.contiguous()
-    if dt_bias is not None:
-        dt_bias = dt_bias.reshape(-1)
-        if not dt_bias.is_contiguous():
-            dt_bias = dt_bias.contiguous()
     if p.gate_mode == GATE_PRECOMPUTED:
         A_log = dt_bias = None
+    if A_log is not None and not A_log.is_contiguous():
+        A_log = A_log.contiguous()
+    if dt_bias is not None and (dt_bias.dim() != 1 or not dt_bias.is_contiguous()):
+        dt_bias = dt_bias.reshape(-1).contiguous()
     if p.serving:
         pool = initial_state
         h0, ht = None, pool
@@ -252,8 +254,9 @@ def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seql
         if output_final_state:
             shape = (p.N, p.HV, p.V, p.K) if state_v_first else (p.N, p.HV, p.K, p.V)
             ht = torch.empty(shape, dtype=torch.float32, device=q.device)
-    torch.ops.flashkda.recurrent_fwd(
-        q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, ssm_state_indices, num_accepted_tokens, o,
+    # Eager calls skip the dispatcher's boxing; traced code needs the registered op.
+    run = _ext.recurrent_fwd_op if torch.compiler.is_compiling() else _ext.recurrent_fwd_eager
+    run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, ssm_state_indices, num_accepted_tokens, o,
         p.scale, p.gate_mode, float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid,
         allow_neg_eigval, state_v_first)
     return o, ht

@@ -105,10 +105,10 @@ __device__ __forceinline__ void store4_state(void* base, DType dt, int64_t i, co
 // Per-token preprocessing (KDA_SPEC steps 3 and 4)
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoidf_(float x) { return __frcp_rn(1.f + __expf(-x)); }
 
 __device__ __forceinline__ float softplusf_(float x) {
-  return x > kSoftplusThreshold ? x : log1pf(expf(x));
+  return x > kSoftplusThreshold ? x : log1pf(__expf(x));
 }
 
 // Natural-log decay of one channel; `a` is exp(A_log[hv]) (1 without A_log).
@@ -181,22 +181,28 @@ __device__ __forceinline__ int64_t final_slot(const RecurrentParams& p, int n, c
   return n;
 }
 
-// ---------------------------------------------------------------------------------------------
-// V-first state ([HV, V, K]): a row of K contiguous keys per value index. TK lanes span a row
-// (16-byte chunks, stride 4*TK), so every reduction over K stays inside a group of TK lanes and
-// the block needs no shared memory and no barrier.
-// ---------------------------------------------------------------------------------------------
-
-template <int D, int BV>
-struct VFirstShape {
-  static constexpr int kThreads = 128;
-  static constexpr int kLanesK = 8;                        // lanes along K
-  static constexpr int kChunks = D / (4 * kLanesK);        // 16-byte chunks per lane and row
-  static constexpr int kRowsPerPass = kThreads / kLanesK;  // rows covered by the block at once
-  static constexpr int kRowsPerThread = BV / kRowsPerPass;
-  static_assert(D % (4 * kLanesK) == 0, "head dim must be a multiple of 32");
-  static_assert(BV % kRowsPerPass == 0 && D % BV == 0, "bad value block");
+// Blocks are numbered value block fastest, then head, then sequence, so that blocks running at
+// the same time touch few state slots: a slot is HV * D * D elements (2 MB for 32 fp32 heads of
+// 128), and spreading concurrent blocks over hundreds of slots thrashes the TLB.
+struct BlockCoords {
+  int n, hv, vblock;
 };
+
+__device__ __forceinline__ BlockCoords block_coords(const RecurrentParams& p, int blocks_v) {
+  const unsigned x = blockIdx.x, per_seq = unsigned(blocks_v) * unsigned(p.HV);
+  BlockCoords c;
+  c.n = int(x / per_seq);
+  c.hv = int((x % per_seq) / unsigned(blocks_v));
+  c.vblock = int(x % unsigned(blocks_v));
+  return c;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token vectors. Every warp stages the preprocessed q, k and decay of the current token in its own
+// shared-memory scratch (lane l computes channels l, l+32, ...): loads are coalesced, the l2 norms
+// are warp reductions, and no block-wide barrier is needed. Redundant across warps, but tiny next
+// to the state traffic.
+// ---------------------------------------------------------------------------------------------
 
 template <int W>
 __device__ __forceinline__ float group_sum(float x) {
@@ -205,18 +211,96 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
+template <int D>
+struct TokenScratch {
+  float q[D];      // scale * q / |q|
+  float k[D];      // k / |k|
+  float decay[D];  // exp(log decay)
+};
+
+// Stages token t of sequence `seq` for value head hv (q/k head h); returns k·q of the staged vectors.
+template <typename Elem, int D>
+__device__ __forceinline__ float stage_token(const RecurrentParams& p, const Sequence& seq, int64_t t, int h, int hv,
+                                             float a, TokenScratch<D>& sc, int lane) {
+  constexpr int M = D / 32;
+  const Elem* q_ptr = static_cast<const Elem*>(p.q) + seq.batch * p.q_batch_stride + t * p.q_token_stride + h * p.q_head_stride;
+  const Elem* k_ptr = static_cast<const Elem*>(p.k) + seq.batch * p.k_batch_stride + t * p.k_token_stride + h * p.k_head_stride;
+  const int64_t g_off = seq.batch * p.g_batch_stride + t * p.g_token_stride + hv * p.g_head_stride;
+  float qr[M], kr[M], dr[M];
+  float qq = 0.f, kk = 0.f, qk = 0.f;
+  float scalar_decay = 0.f;
+  if (p.scalar_gate) {
+    const float bias = p.dt_bias != nullptr ? p.dt_bias[hv] : 0.f;
+    scalar_decay = __expf(log_decay(p, load_any(p.g, p.g_dtype, g_off), bias, a));
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int ch = lane + 32 * m;
+    qr[m] = to_float(q_ptr[ch]);
+    kr[m] = to_float(k_ptr[ch]);
+    qq += qr[m] * qr[m];
+    kk += kr[m] * kr[m];
+    qk += qr[m] * kr[m];
+    if (p.scalar_gate) {
+      dr[m] = scalar_decay;
+    } else {
+      const float bias = p.dt_bias != nullptr ? p.dt_bias[int64_t(hv) * D + ch] : 0.f;
+      dr[m] = __expf(log_decay(p, load_any(p.g, p.g_dtype, g_off + ch), bias, a));
+    }
+  }
+  float q_scale = p.scale, k_scale = 1.f;
+  if (p.l2norm) {
+    q_scale *= rsqrtf(group_sum<32>(qq) + kL2NormEps);
+    k_scale = rsqrtf(group_sum<32>(kk) + kL2NormEps);
+  }
+  qk = group_sum<32>(qk);
+  __syncwarp();  // the previous token's scratch has been read by every lane
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int ch = lane + 32 * m;
+    sc.q[ch] = qr[m] * q_scale;
+    sc.k[ch] = kr[m] * k_scale;
+    sc.decay[ch] = dr[m];
+  }
+  __syncwarp();
+  return qk * q_scale * k_scale;
+}
+
+// ---------------------------------------------------------------------------------------------
+// V-first state ([HV, V, K]): a row of K contiguous keys per value index. Groups of 8 lanes span a
+// row in 16-byte chunks (chunk c of lane j covers keys 32c + 4j .. 32c + 4j + 3), so each
+// reduction over K is three shuffles inside the group and the block needs no barrier.
+// ---------------------------------------------------------------------------------------------
+
+template <int D, int BV>
+struct VFirstShape {
+  static constexpr int kThreads = 128;
+  static constexpr int kWarps = kThreads / 32;
+  // Register cap (64 for 16 rows, 80 for 32): enough blocks per SM to keep state loads in flight.
+  static constexpr int kMinBlocks = BV <= 16 ? 8 : 6;
+  static constexpr int kLanesK = 8;                        // lanes along K
+  static constexpr int kChunks = D / (4 * kLanesK);        // 16-byte chunks per lane and row
+  static constexpr int kRowsPerPass = kThreads / kLanesK;  // rows covered by the block at once
+  static constexpr int kRowsPerThread = BV / kRowsPerPass;
+  static_assert(D % (4 * kLanesK) == 0, "head dim must be a multiple of 32");
+  static_assert(BV % kRowsPerPass == 0 && D % BV == 0, "bad value block");
+};
+
 template <typename Elem, int D, int BV>
-__global__ void __launch_bounds__(VFirstShape<D, BV>::kThreads)
+__global__ void __launch_bounds__(VFirstShape<D, BV>::kThreads, VFirstShape<D, BV>::kMinBlocks)
     decode_step_vfirst(const RecurrentParams p) {
   using Shape = VFirstShape<D, BV>;
   constexpr int TK = Shape::kLanesK, CH = Shape::kChunks, RPT = Shape::kRowsPerThread;
   constexpr int kBlocksV = D / BV;
-  const int n = blockIdx.x / kBlocksV;
-  const int v0 = (blockIdx.x % kBlocksV) * BV;
-  const int hv = blockIdx.y;
+  __shared__ __align__(16) TokenScratch<D> scratch[Shape::kWarps];
+  const BlockCoords bc = block_coords(p, kBlocksV);
+  const int n = bc.n, hv = bc.hv;
+  const int v0 = bc.vblock * BV;
   const int h = hv / (p.HV / p.H);
+  const int lane = threadIdx.x % 32;
   const int lane_k = threadIdx.x % TK;
   const int row0 = v0 + threadIdx.x / TK;  // rows row0 + j * kRowsPerPass
+  TokenScratch<D>& sc = scratch[threadIdx.x / 32];
 
   const Sequence seq = resolve_sequence(p, n);
   Elem* o_base = static_cast<Elem*>(p.o) + seq.batch * p.o_batch_stride + hv * p.o_head_stride;
@@ -235,6 +319,12 @@ __global__ void __launch_bounds__(VFirstShape<D, BV>::kThreads)
     return slot * slot_elems + int64_t(hv) * D * D + int64_t(row0 + j * Shape::kRowsPerPass) * D +
            c * 4 * TK + lane_k * 4;
   };
+  auto store_state = [&](int64_t slot, const float (&S)[RPT][CH][4]) {
+#pragma unroll
+    for (int j = 0; j < RPT; ++j)
+#pragma unroll
+      for (int c = 0; c < CH; ++c) store4_state(p.state_out, p.state_out_dtype, state_offset(slot, j, c), S[j][c]);
+  };
 
   float S[RPT][CH][4];
   if (seq.read_slot >= 0) {
@@ -251,7 +341,7 @@ __global__ void __launch_bounds__(VFirstShape<D, BV>::kThreads)
         for (int e = 0; e < 4; ++e) S[j][c][e] = 0.f;
   }
 
-  const float a = p.A_log != nullptr ? expf(p.A_log[hv]) : 1.f;
+  const float a = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
   const bool per_token_slots = p.slot_indices != nullptr && p.idx_cols > 0;
 
   for (int64_t i = 0; i < seq.len; ++i) {
@@ -267,112 +357,62 @@ __global__ void __launch_bounds__(VFirstShape<D, BV>::kThreads)
         continue;
       }
     }
-    const Elem* q_ptr = static_cast<const Elem*>(p.q) + seq.batch * p.q_batch_stride + t * p.q_token_stride + h * p.q_head_stride;
-    const Elem* k_ptr = static_cast<const Elem*>(p.k) + seq.batch * p.k_batch_stride + t * p.k_token_stride + h * p.k_head_stride;
-    const int64_t g_off = seq.batch * p.g_batch_stride + t * p.g_token_stride + hv * p.g_head_stride;
-    float qv[CH][4], kv[CH][4], decay[CH][4];
+    const Elem* v_ptr = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + t * p.v_token_stride + hv * p.v_head_stride;
+    float vv[RPT];
 #pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      load4(q_ptr + c * 4 * TK + lane_k * 4, qv[c]);
-      load4(k_ptr + c * 4 * TK + lane_k * 4, kv[c]);
-    }
+    for (int j = 0; j < RPT; ++j) vv[j] = to_float(v_ptr[row0 + j * Shape::kRowsPerPass]);
     const float beta = beta_value(p, load_any(p.beta, p.beta_dtype, seq.batch * p.beta_batch_stride + t * p.beta_token_stride + hv));
-    if (p.scalar_gate) {
-      const float ld = log_decay(p, load_any(p.g, p.g_dtype, g_off), p.dt_bias != nullptr ? p.dt_bias[hv] : 0.f, a);
-      const float d = expf(ld);
-#pragma unroll
-      for (int c = 0; c < CH; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) decay[c][e] = d;
-    } else {
-#pragma unroll
-      for (int c = 0; c < CH; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kk = c * 4 * TK + lane_k * 4 + e;
-          const float bias = p.dt_bias != nullptr ? p.dt_bias[int64_t(hv) * D + kk] : 0.f;
-          decay[c][e] = expf(log_decay(p, load_any(p.g, p.g_dtype, g_off + kk), bias, a));
-        }
-    }
-
-    float q_scale = p.scale, k_scale = 1.f;
-    if (p.l2norm) {
-      float qq = 0.f, kk2 = 0.f;
-#pragma unroll
-      for (int c = 0; c < CH; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          qq += qv[c][e] * qv[c][e];
-          kk2 += kv[c][e] * kv[c][e];
-        }
-      q_scale *= rsqrtf(group_sum<TK>(qq) + kL2NormEps);
-      k_scale = rsqrtf(group_sum<TK>(kk2) + kL2NormEps);
-    }
-    float kq = 0.f;
-#pragma unroll
-    for (int c = 0; c < CH; ++c)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        qv[c][e] *= q_scale;
-        kv[c][e] *= k_scale;
-        kq += kv[c][e] * qv[c][e];
-      }
-    kq = group_sum<TK>(kq);
+    const float kq = stage_token<Elem, D>(p, seq, t, h, hv, a, sc, lane);
 
     float sk[RPT], sq[RPT];
 #pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-      sk[j] = 0.f;
-      sq[j] = 0.f;
+    for (int j = 0; j < RPT; ++j) sk[j] = sq[j] = 0.f;
 #pragma unroll
-      for (int c = 0; c < CH; ++c)
+    for (int c = 0; c < CH; ++c) {
+      const int ch = c * 4 * TK + lane_k * 4;
+      const float4 d4 = *reinterpret_cast<const float4*>(&sc.decay[ch]);
+      const float4 k4 = *reinterpret_cast<const float4*>(&sc.k[ch]);
+      const float4 q4 = *reinterpret_cast<const float4*>(&sc.q[ch]);
+      const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {k4.x, k4.y, k4.z, k4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+      for (int j = 0; j < RPT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          S[j][c][e] *= decay[c][e];
-          sk[j] += S[j][c][e] * kv[c][e];
-          sq[j] += S[j][c][e] * qv[c][e];
+          S[j][c][e] *= d[e];
+          sk[j] += S[j][c][e] * kv[e];
+          sq[j] += S[j][c][e] * qv[e];
         }
     }
+    float u[RPT];
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
       sk[j] = group_sum<TK>(sk[j]);
       sq[j] = group_sum<TK>(sq[j]);
+      u[j] = beta * (vv[j] - sk[j]);
+      if (lane_k == 0) o_base[t * p.o_token_stride + row0 + j * Shape::kRowsPerPass] = from_float<Elem>(sq[j] + u[j] * kq);
     }
-    const Elem* v_ptr = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + t * p.v_token_stride + hv * p.v_head_stride;
 #pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-      const int row = row0 + j * Shape::kRowsPerPass;
-      const float u = beta * (to_float(v_ptr[row]) - sk[j]);
-#pragma unroll
-      for (int c = 0; c < CH; ++c)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S[j][c][e] += kv[c][e] * u;
-      if (lane_k == 0) o_base[t * p.o_token_stride + row] = from_float<Elem>(sq[j] + u * kq);
-    }
-    if (write_slot >= 0) {
+    for (int c = 0; c < CH; ++c) {
+      const float4 k4 = *reinterpret_cast<const float4*>(&sc.k[c * 4 * TK + lane_k * 4]);
+      const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
 #pragma unroll
       for (int j = 0; j < RPT; ++j)
 #pragma unroll
-        for (int c = 0; c < CH; ++c) store4_state(p.state_out, p.state_out_dtype, state_offset(write_slot, j, c), S[j][c]);
+        for (int e = 0; e < 4; ++e) S[j][c][e] += kv[e] * u[j];
     }
+    if (write_slot >= 0) store_state(write_slot, S);
   }
 
   if (!per_token_slots) {
     const int64_t slot = final_slot(p, n, seq);
-    if (slot >= 0) {
-#pragma unroll
-      for (int j = 0; j < RPT; ++j)
-#pragma unroll
-        for (int c = 0; c < CH; ++c) store4_state(p.state_out, p.state_out_dtype, state_offset(slot, j, c), S[j][c]);
-    }
+    if (slot >= 0) store_state(slot, S);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // K-first state ([HV, K, V]): a row of V contiguous values per key index. A block owns 32 value
 // columns; each lane owns one column and half of the K rows (the other half sits 16 lanes away),
-// so a reduction over K is a register sweep plus one shuffle. The per-token q, k and decay
-// vectors, needed by every lane, go through shared memory.
+// so a reduction over K is a register sweep plus one shuffle.
 // ---------------------------------------------------------------------------------------------
 
 template <int D>
@@ -380,25 +420,25 @@ struct KFirstShape {
   static constexpr int kThreads = 64;
   static constexpr int kCols = 32;      // value columns per block
   static constexpr int kRows = D / 2;   // key rows per thread
+  static constexpr int kMinBlocks = 1;  // the D/2 state registers per lane decide occupancy
   static_assert(D % kThreads == 0, "head dim must be a multiple of 64");
 };
 
 template <typename Elem, int D>
-__global__ void __launch_bounds__(KFirstShape<D>::kThreads)
+__global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMinBlocks)
     decode_step_kfirst(const RecurrentParams p) {
   using Shape = KFirstShape<D>;
   constexpr int R = Shape::kRows;
   constexpr int kBlocksV = D / Shape::kCols;
-  constexpr int kPerThread = D / Shape::kThreads;  // q/k/g elements each thread preprocesses
-  __shared__ float q_s[D], k_s[D], decay_s[D];
-  __shared__ float red_s[2][3];
+  __shared__ TokenScratch<D> scratch[Shape::kThreads / 32];
 
-  const int n = blockIdx.x / kBlocksV;
-  const int hv = blockIdx.y;
+  const BlockCoords bc = block_coords(p, kBlocksV);
+  const int n = bc.n, hv = bc.hv;
   const int h = hv / (p.HV / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int col = (blockIdx.x % kBlocksV) * Shape::kCols + warp * 16 + lane % 16;
+  const int col = bc.vblock * Shape::kCols + warp * 16 + lane % 16;
   const int r0 = (lane / 16) * R;  // this lane's key rows: r0 .. r0 + R - 1
+  TokenScratch<D>& sc = scratch[warp];
 
   const Sequence seq = resolve_sequence(p, n);
   Elem* o_base = static_cast<Elem*>(p.o) + seq.batch * p.o_batch_stride + hv * p.o_head_stride;
@@ -432,7 +472,7 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads)
 #pragma unroll
   for (int r = 0; r < R; ++r) S[r] = seq.read_slot >= 0 ? load_state(state_offset(seq.read_slot, r)) : 0.f;
 
-  const float a = p.A_log != nullptr ? expf(p.A_log[hv]) : 1.f;
+  const float a = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
   const bool per_token_slots = p.slot_indices != nullptr && p.idx_cols > 0;
 
   for (int64_t i = 0; i < seq.len; ++i) {
@@ -445,51 +485,14 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads)
         continue;
       }
     }
-    // Stage q, k and the decay of this token in shared memory, with the l2 norms.
-    const Elem* q_ptr = static_cast<const Elem*>(p.q) + seq.batch * p.q_batch_stride + t * p.q_token_stride + h * p.q_head_stride;
-    const Elem* k_ptr = static_cast<const Elem*>(p.k) + seq.batch * p.k_batch_stride + t * p.k_token_stride + h * p.k_head_stride;
-    const int64_t g_off = seq.batch * p.g_batch_stride + t * p.g_token_stride + hv * p.g_head_stride;
-    float qr[kPerThread], kr[kPerThread];
-    float part[3] = {0.f, 0.f, 0.f};  // sum q², sum k², sum q k
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int kk = threadIdx.x + e * Shape::kThreads;
-      qr[e] = to_float(q_ptr[kk]);
-      kr[e] = to_float(k_ptr[kk]);
-      part[0] += qr[e] * qr[e];
-      part[1] += kr[e] * kr[e];
-      part[2] += qr[e] * kr[e];
-      const float raw = load_any(p.g, p.g_dtype, g_off + (p.scalar_gate ? 0 : kk));
-      const float bias = p.dt_bias == nullptr ? 0.f : p.dt_bias[p.scalar_gate ? int64_t(hv) : int64_t(hv) * D + kk];
-      decay_s[kk] = expf(log_decay(p, raw, bias, a));
-    }
-#pragma unroll
-    for (int m = 0; m < 3; ++m) part[m] = group_sum<32>(part[m]);
-    if (lane == 0) {
-#pragma unroll
-      for (int m = 0; m < 3; ++m) red_s[warp][m] = part[m];
-    }
-    __syncthreads();
-    float q_scale = p.scale, k_scale = 1.f;
-    if (p.l2norm) {
-      q_scale *= rsqrtf(red_s[0][0] + red_s[1][0] + kL2NormEps);
-      k_scale = rsqrtf(red_s[0][1] + red_s[1][1] + kL2NormEps);
-    }
-    const float kq = (red_s[0][2] + red_s[1][2]) * q_scale * k_scale;
-#pragma unroll
-    for (int e = 0; e < kPerThread; ++e) {
-      const int kk = threadIdx.x + e * Shape::kThreads;
-      q_s[kk] = qr[e] * q_scale;
-      k_s[kk] = kr[e] * k_scale;
-    }
-    __syncthreads();
+    const float kq = stage_token<Elem, D>(p, seq, t, h, hv, a, sc, lane);
 
     float sk = 0.f, sq = 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      S[r] *= decay_s[r0 + r];
-      sk += S[r] * k_s[r0 + r];
-      sq += S[r] * q_s[r0 + r];
+      S[r] *= sc.decay[r0 + r];
+      sk += S[r] * sc.k[r0 + r];
+      sq += S[r] * sc.q[r0 + r];
     }
     sk += __shfl_xor_sync(0xffffffffu, sk, 16);
     sq += __shfl_xor_sync(0xffffffffu, sq, 16);
@@ -497,10 +500,9 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads)
     const Elem* v_ptr = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + t * p.v_token_stride + hv * p.v_head_stride;
     const float u = beta * (to_float(v_ptr[col]) - sk);
 #pragma unroll
-    for (int r = 0; r < R; ++r) S[r] += k_s[r0 + r] * u;
+    for (int r = 0; r < R; ++r) S[r] += sc.k[r0 + r] * u;
     if (lane < 16) o_base[t * p.o_token_stride + col] = from_float<Elem>(sq + u * kq);
     if (write_slot >= 0) store_state(write_slot, S);
-    __syncthreads();  // shared vectors are rewritten by the next token
   }
 
   if (!per_token_slots) {
@@ -521,12 +523,12 @@ cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
     const bool small = int64_t(p.N) * p.HV * (D / 32) < 4 * int64_t(p.num_sms);
     return FLASHKDA_BOOL_SWITCH(small, kSmall, [&] {
       constexpr int BV = kSmall ? 16 : 32;
-      const dim3 grid(unsigned(p.N) * (D / BV), unsigned(p.HV));
+      const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / BV)));
       decode_step_vfirst<Elem, D, BV><<<grid, VFirstShape<D, BV>::kThreads, 0, stream>>>(p);
       return cudaGetLastError();
     });
   }
-  const dim3 grid(unsigned(p.N) * (D / KFirstShape<D>::kCols), unsigned(p.HV));
+  const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / KFirstShape<D>::kCols)));
   decode_step_kfirst<Elem, D><<<grid, KFirstShape<D>::kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

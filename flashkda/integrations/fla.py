@@ -1,0 +1,392 @@
+"""flashkda as a backend of FLA (``fla-core``, flash-linear-attention) for KDA.
+
+FLA 0.6 routes some of its entry points through a backend registry (``fla.backends``): at call
+time every registered backend, in priority order, is asked through its *verifier* whether it can
+serve the call, and the first one that accepts runs it; the Triton implementation runs when none
+does. :func:`register` adds a backend named ``"flashkda"`` for
+
+* ``fla.ops.kda.chunk_kda`` (a per-function registry), and
+* ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd`` (the ``'kda'`` operation registry); it is
+  what FLA's serving decode calls, and what the public ``fla.ops.kda.fused_recurrent_kda`` calls.
+
+Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, including FLA's own
+``flash_kda`` adapter. The verifiers accept exactly the calls that flashkda's CUDA kernels serve with
+FLA's semantics; everything else (CPU tensors, autograd, head dims other than 64/128, float64,
+context parallelism, ...) is rejected with a reason, logged once by FLA at INFO level, and runs
+FLA's Triton code as before. Results of accepted calls are those of :func:`flashkda.chunk_kda` /
+:func:`flashkda.fused_recurrent_kda`, returned in FLA's format (see :func:`chunk_kda` and
+:func:`fused_recurrent_kda_fwd` in this module).
+
+Usage::
+
+    import flashkda                      # registers the backend when fla is installed, or:
+    from flashkda.integrations import fla as flashkda_fla
+    flashkda_fla.register()              # idempotent; True when the backend is registered
+
+    from fla.ops.kda import chunk_kda
+    with torch.inference_mode():
+        o, ht = chunk_kda(q, k, v, g, beta, ...)   # served by flashkda when supported
+
+Switches (read at call time): ``FLASHKDA_FLA_BACKEND=0`` disables the backend (FLA's convention,
+``FLA_FLASHKDA=1`` re-enables it); ``FLA_DISABLE_BACKEND_DISPATCH=1`` (read by FLA at import)
+disables all of FLA's dispatch, and then :func:`register` returns False. The registry has no public
+way to remove a backend, so there is no ``unregister``; use the environment variable.
+
+:func:`register` first checks that FLA's signatures of both entry points are the ones this adapter
+mirrors (names, order, defaults) and registers nothing (returns False) when an FLA release changed
+them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import threading
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from flashkda import _ext
+from flashkda import api as _api
+from flashkda._ext import log
+
+__all__ = [
+    "BACKEND_TYPE",
+    "ENV_VAR",
+    "PRIORITY",
+    "register",
+    "is_registered",
+    "maybe_register_on_import",
+    "chunk_kda_verifier",
+    "fused_recurrent_kda_fwd_verifier",
+    "chunk_kda",
+    "fused_recurrent_kda_fwd",
+]
+
+#: ``backend_type`` in FLA's registries (FLA's own adapter of the ``flash_kda`` package is ``"flash_kda"``).
+BACKEND_TYPE = "flashkda"
+#: ``FLASHKDA_FLA_BACKEND=0`` disables the backend.
+ENV_VAR = "FLASHKDA_FLA_BACKEND"
+#: FLA tries lower priorities first; its built-ins use 0 (Ascend NPU), 3 (flash_kda) and 5 (default).
+PRIORITY = -10
+
+Verdict = Tuple[bool, Optional[str]]
+
+_lock = threading.Lock()
+_registered = False
+
+# Keyword arguments of FLA's chunk_kda (its **kwargs) that the adapter understands.
+_CHUNK_KWARGS = frozenset({"A_log", "dt_bias", "transpose_state_layout"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Verification. The ``*_reason`` functions mirror FLA's signatures exactly (register() checks
+# that), so Python binds the raw positional/keyword arguments FLA's dispatcher passes on.
+# They return None when flashkda's CUDA kernels serve the call with FLA's semantics.
+# ----------------------------------------------------------------------------------------------
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias) -> Optional[str]:
+    """Device, extension, FLASHKDA_FORCE_REFERENCE, head dims and dtypes (flashkda.api's rules)."""
+    return _api._kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
+
+
+def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, **validate) -> Optional[str]:
+    """flashkda's own validation, then whether its kernels (not the reference) would run."""
+    try:
+        p = _api._validate(fn, q, k, v, g, beta, scalar_gate=False, initial_state=initial_state, A_log=A_log,
+                           dt_bias=dt_bias, **validate)
+    except Exception as e:  # noqa: BLE001 - any invalid input is a rejection, FLA then reports it
+        return str(e)
+    return _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
+
+
+def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                      allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                      return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                      cp_context=None, use_graph=False, max_num_seqs=None, **kwargs) -> Optional[str]:
+    if not isinstance(q, torch.Tensor):
+        return f"q must be a torch.Tensor, got {type(q).__name__}"
+    A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
+    if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return "an input requires grad with autograd enabled (flashkda is forward-only)"
+    if return_intermediate_states:
+        return "return_intermediate_states=True is not supported (flashkda keeps no per-chunk states)"
+    if cp_context is not None:
+        return "context parallelism (cp_context) is not supported"
+    if disable_recompute:
+        return "disable_recompute=True (an option of FLA's Triton training path) is not supported"
+    unknown = sorted(set(kwargs) - _CHUNK_KWARGS)
+    if unknown:
+        return f"keyword arguments {unknown} are not supported"
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            return "both state_v_first and the deprecated transpose_state_layout are given"
+        state_v_first = bool(kwargs["transpose_state_layout"])
+    if use_gate_in_kernel:
+        if A_log is None and lower_bound is None:
+            return "use_gate_in_kernel=True needs A_log when lower_bound is not set"
+        if safe_gate and lower_bound is None:
+            return "safe_gate=True with use_gate_in_kernel=True needs lower_bound"
+    else:
+        lower_bound = None  # FLA reads lower_bound only for the fused gate
+    if (use_graph and max_num_seqs is not None and isinstance(cu_seqlens, torch.Tensor)
+            and cu_seqlens.shape[0] - 1 != max_num_seqs):
+        return f"use_graph needs cu_seqlens padded to max_num_seqs + 1 = {max_num_seqs + 1} entries"
+    return _kernel_reason("chunk_kda", q, k, v, g, beta, initial_state=initial_state, A_log=A_log,
+                          dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                          use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                          use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                          allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
+
+
+def _num_seqs(q: torch.Tensor, cu_seqlens) -> int:
+    return q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+
+
+def _fused_recurrent_kda_fwd_reason(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                                    output_final_state=False, inplace_final_state=True, state_v_first=False,
+                                    cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                                    use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                    use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                                    out=None, **kwargs) -> Optional[str]:
+    if not isinstance(q, torch.Tensor):
+        return f"q must be a torch.Tensor, got {type(q).__name__}"
+    if not use_gate_in_kernel:
+        A_log = dt_bias = lower_bound = None  # FLA reads them only for the fused gate
+    if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return "an input requires grad with autograd enabled (flashkda is forward-only)"
+    if kwargs:
+        return f"keyword arguments {sorted(kwargs)} are not supported"
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        # FLA's kernel then scales the softplus gate by exp(1.0); flashkda's A_log=None means a scale of 1.
+        return "use_gate_in_kernel=True without A_log and lower_bound (FLA's gate differs from flashkda's)"
+    if ssm_state_indices is not None:
+        if not inplace_final_state:
+            return "ssm_state_indices with inplace_final_state=False is not supported"
+        if isinstance(ssm_state_indices, torch.Tensor) and ssm_state_indices.dim() == 1:
+            if q.dim() >= 2 and q.shape[1] > 1:
+                # FLA writes the state after token t to slot indices[n + t]; flashkda writes the state
+                # after the last token to indices[n]. They agree when no sequence has two tokens,
+                # which the shapes prove only when there is at most one token in all.
+                what = "with cu_seqlens, more than one token in all" if cu_seqlens is not None else \
+                    "more than one token per sequence"
+                return f"1-D ssm_state_indices {what} (use [N, T_max] indices)"
+        pool = initial_state
+    else:
+        num_accepted_tokens = None  # FLA ignores it without ssm_state_indices
+        if inplace_final_state:
+            if initial_state is None:
+                return "inplace_final_state=True needs initial_state"
+            if not isinstance(initial_state, torch.Tensor):
+                return f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}"
+            # FLA updates rows [0, N) of initial_state in place; flashkda's pool mode with slots
+            # arange(N) does the same.
+            N = _num_seqs(q, cu_seqlens)
+            if initial_state.dim() != 4 or initial_state.shape[0] < N:
+                return f"initial_state must have shape [>= {N}, HV, ...], got {list(initial_state.shape)}"
+            if not initial_state.is_contiguous():
+                return "initial_state must be contiguous (it is updated in place)"
+            pool = initial_state[:N]
+        else:
+            pool = initial_state
+    return _kernel_reason("fused_recurrent_kda_fwd", q, k, v, g, beta, initial_state=pool, A_log=A_log,
+                          dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=None,
+                          use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
+                          use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                          allow_neg_eigval=allow_neg_eigval and use_beta_sigmoid_in_kernel,
+                          state_v_first=state_v_first, ssm_state_indices=ssm_state_indices,
+                          num_accepted_tokens=num_accepted_tokens, out=out)
+
+
+def _verdict(reason_fn, args, kwargs) -> Verdict:
+    try:
+        reason = reason_fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - e.g. a TypeError from binding the arguments
+        reason = f"{type(e).__name__}: {e}"
+    if reason is None:
+        return True, None
+    return False, reason if reason.startswith("flashkda: ") else f"flashkda: {reason}"
+
+
+def chunk_kda_verifier(*args, **kwargs) -> Verdict:
+    """``(True, None)`` when flashkda serves ``fla.ops.kda.chunk_kda(*args, **kwargs)``, else ``(False, reason)``."""
+    return _verdict(_chunk_kda_reason, args, kwargs)
+
+
+def fused_recurrent_kda_fwd_verifier(*args, **kwargs) -> Verdict:
+    """``(True, None)`` when flashkda serves FLA's ``fused_recurrent_kda_fwd(*args, **kwargs)``, else
+    ``(False, reason)``."""
+    return _verdict(_fused_recurrent_kda_fwd_reason, args, kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Implementations with FLA's signatures and return values.
+# ----------------------------------------------------------------------------------------------
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
+    """``fla.ops.kda.chunk_kda`` computed by :func:`flashkda.chunk_kda`; returns ``(o, final_state)``.
+
+    Meant for calls that :func:`chunk_kda_verifier` accepts (FLA's dispatcher guarantees it);
+    ``disable_recompute``, ``use_graph`` and ``max_num_seqs`` do not change a forward result.
+    """
+    if "transpose_state_layout" in kwargs:
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=4)
+        state_v_first = bool(kwargs["transpose_state_layout"])
+    if use_gate_in_kernel:
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+    else:
+        A_log = dt_bias = lower_bound = None
+    return _api.chunk_kda(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias)
+
+
+def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                            output_final_state=False, inplace_final_state=True, state_v_first=False,
+                            cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                            use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                            out=None, **kwargs):
+    """FLA's ``fused_recurrent_kda_fwd`` computed by :func:`flashkda.fused_recurrent_kda`.
+
+    Returns ``(out, final_state)`` like FLA: with ``inplace_final_state=True`` (FLA's default)
+    ``final_state`` is ``initial_state`` itself, updated in place (per slot of ``ssm_state_indices``,
+    or rows ``[0, N)`` without indices); otherwise a new float32 state when ``output_final_state``,
+    else None. Meant for calls that :func:`fused_recurrent_kda_fwd_verifier` accepts.
+    """
+    if not use_gate_in_kernel:
+        A_log = dt_bias = lower_bound = None
+    allow_neg_eigval = allow_neg_eigval and use_beta_sigmoid_in_kernel  # FLA ignores it without the sigmoid
+    common = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                  allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+                  cu_seqlens=cu_seqlens, out=out)
+    if inplace_final_state:
+        if ssm_state_indices is None:
+            N = _num_seqs(q, cu_seqlens)
+            ssm_state_indices = torch.arange(N, dtype=torch.int32, device=q.device)
+            num_accepted_tokens = None
+        o, _ = _api.fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
+                                        ssm_state_indices=ssm_state_indices,
+                                        num_accepted_tokens=num_accepted_tokens, **common)
+        return o, initial_state
+    return _api.fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
+                                    output_final_state=output_final_state, **common)
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration.
+# ----------------------------------------------------------------------------------------------
+
+
+def _signature(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _make_backends(BaseBackend):
+    class _FlashKDABackend(BaseBackend):
+        backend_type = BACKEND_TYPE
+        package_name = None
+        env_var = ENV_VAR
+        default_enable = True
+        priority = PRIORITY
+
+        @classmethod
+        def is_available(cls) -> bool:
+            return _ext.HAS_EXTENSION
+
+    class FlashKDAChunkBackend(_FlashKDABackend):
+        """flashkda for ``fla.ops.kda.chunk_kda``."""
+
+        def chunk_kda_verifier(self, *args, **kwargs) -> Verdict:
+            return chunk_kda_verifier(*args, **kwargs)
+
+        def chunk_kda(self, *args, **kwargs):
+            return chunk_kda(*args, **kwargs)
+
+    class FlashKDAOpBackend(_FlashKDABackend):
+        """flashkda for the ``'kda'`` operation registry (only ``fused_recurrent_kda_fwd``)."""
+
+        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> Verdict:
+            return fused_recurrent_kda_fwd_verifier(*args, **kwargs)
+
+        def fused_recurrent_kda_fwd(self, *args, **kwargs):
+            return fused_recurrent_kda_fwd(*args, **kwargs)
+
+    return FlashKDAChunkBackend, FlashKDAOpBackend
+
+
+def register() -> bool:
+    """Register flashkda in FLA's backend registries; True when it is registered.
+
+    Idempotent: a second call changes nothing. Imports ``fla.ops.kda`` (raises ImportError when FLA,
+    or what it needs, is missing). Returns False, registering nothing, when FLA's dispatch is
+    disabled (``FLA_DISABLE_BACKEND_DISPATCH=1``) or FLA's signatures differ from the ones mirrored here.
+    """
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        import fla.backends as fla_backends
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fused_recurrent_kda_fwd
+
+        if getattr(fla_backends, "_DISPATCH_DISABLED", False):
+            log.debug("flashkda: FLA_DISABLE_BACKEND_DISPATCH=1; the FLA backend is not registered")
+            return False
+        for theirs, ours in ((fla_chunk_kda, (_chunk_kda_reason, chunk_kda)),
+                             (fla_fused_recurrent_kda_fwd, (_fused_recurrent_kda_fwd_reason, fused_recurrent_kda_fwd))):
+            if any(_signature(theirs) != _signature(fn) for fn in ours):
+                log.debug("flashkda: FLA's %s has signature %s, not the one flashkda mirrors; the FLA backend "
+                          "is not registered", theirs.__name__, inspect.signature(theirs))
+                return False
+        chunk_backend, op_backend = _make_backends(fla_backends.BaseBackend)
+        fla_backends.register(fla_chunk_kda)(chunk_backend)
+        fla_backends.register("kda")(op_backend)
+        _registered = True
+        log.debug("flashkda: registered as FLA backend %r (priority %d) for chunk_kda and fused_recurrent_kda_fwd",
+                  BACKEND_TYPE, PRIORITY)
+        return True
+
+
+def is_registered() -> bool:
+    """Whether :func:`register` has registered the backend in this process."""
+    return _registered
+
+
+def maybe_register_on_import() -> bool:
+    """:func:`register` when FLA is installed and ``FLASHKDA_FLA_BACKEND`` is not ``0``; never raises.
+
+    Imports nothing heavy when FLA is not installed, the variable is ``0``, or flashkda's CUDA
+    extension is missing (the backend could serve nothing). Failures are logged at debug level
+    on the ``flashkda`` logger.
+    """
+    if os.environ.get(ENV_VAR, "1").strip() == "0" or not _ext.HAS_EXTENSION:
+        return False
+    try:
+        if importlib.util.find_spec("fla") is None:
+            return False
+    except (ImportError, ValueError):
+        return False
+    try:
+        return register()
+    except Exception as e:  # noqa: BLE001 - an optional integration must never break importing flashkda
+        log.debug("flashkda: FLA backend not registered: %s: %s", type(e).__name__, e)
+        return False

@@ -1,0 +1,346 @@
+"""flashkda as a backend of FLA's registry (``flashkda.integrations.fla``); skipped without fla-core.
+
+CPU tests: registration, the verifiers' rules, and the argument translation end to end through
+FLA's dispatcher (the device check patched so that the CPU reference stands in for the kernels).
+GPU tests: FLA's public entry points reach flashkda's CUDA kernels, and unsupported calls still run FLA.
+"""
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+fla_kda = pytest.importorskip("fla.ops.kda")
+
+import fla.backends as fla_backends  # noqa: E402
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fused_recurrent_kda_fwd  # noqa: E402
+
+import flashkda  # noqa: E402
+from flashkda import _ext  # noqa: E402
+from flashkda import api as kda_api  # noqa: E402
+from flashkda.integrations import fla as integ  # noqa: E402
+
+from helpers import HAS_CUDA_KERNELS, rel_err  # noqa: E402
+
+GATE = dict(use_gate_in_kernel=True, lower_bound=-5.0, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")  # FLA's adapter of the flash_kda package stays out of the way
+    monkeypatch.delenv("FLASHKDA_FLA_BACKEND", raising=False)
+    monkeypatch.delenv("FLA_FLASHKDA", raising=False)
+    assert integ.register()
+
+
+def _registries():
+    chunk = fla_backends._function_registries[inspect.unwrap(fla_kda.chunk_kda)]
+    op = fla_backends._get_operation_registry("kda")
+    return chunk, op
+
+
+def _inputs(*, B=2, T=3, H=2, HV=4, D=128, lens=None, dtype=torch.bfloat16, device="cpu", seed=0):
+    """FLA-style inputs: raw gate with A_log [HV] / dt_bias [HV*K], raw beta logits."""
+    gen = torch.Generator().manual_seed(seed)
+    if lens is not None:
+        B, T = 1, sum(lens)
+
+    def rnd(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device)
+
+    kw = dict(q=rnd(B, T, H, D).to(dtype), k=rnd(B, T, H, D).to(dtype), v=rnd(B, T, HV, D).to(dtype),
+              g=rnd(B, T, HV, D, scale=2.0).to(dtype), beta=rnd(B, T, HV).to(dtype),
+              A_log=torch.rand(HV, generator=gen).to(device), dt_bias=rnd(HV * D))
+    if lens is not None:
+        kw["cu_seqlens"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return kw
+
+
+def _state(N, HV, D, device="cpu", seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return (0.1 * torch.randn(N, HV, D, D, generator=gen)).to(device)
+
+
+def _counting(monkeypatch, module, name):
+    calls = []
+    orig = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def test_register_is_idempotent_and_first():
+    chunk, op = _registries()
+    before = chunk._backends[integ.BACKEND_TYPE], op._backends[integ.BACKEND_TYPE]
+    assert integ.register() is True and integ.is_registered()
+    assert (chunk._backends[integ.BACKEND_TYPE], op._backends[integ.BACKEND_TYPE]) == before
+    assert integ.BACKEND_TYPE != "flash_kda"
+    for reg in (chunk, op):
+        ordered = reg._get_sorted_backends()
+        assert ordered[0].backend_type == integ.BACKEND_TYPE
+        assert [b.backend_type for b in ordered].count(integ.BACKEND_TYPE) == 1
+        assert all(b.priority > ordered[0].priority for b in ordered[1:])
+    assert "flash_kda" in chunk._backends  # FLA's own adapter is still there, behind ours
+
+
+def test_env_var_disables(monkeypatch):
+    for backend in (reg._backends[integ.BACKEND_TYPE] for reg in _registries()):
+        assert backend.is_enabled()
+        monkeypatch.setenv(integ.ENV_VAR, "0")
+        assert not backend.is_enabled()
+        monkeypatch.delenv(integ.ENV_VAR)
+    monkeypatch.setenv(integ.ENV_VAR, "0")
+    assert integ.maybe_register_on_import() is False
+    monkeypatch.delenv(integ.ENV_VAR)
+    monkeypatch.setattr(_ext, "HAS_EXTENSION", True)
+    assert integ.maybe_register_on_import() is True
+
+
+def test_verifiers_reject_cpu_tensors():
+    kw = _inputs(D=128)
+    ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
+    assert not ok and "cpu" in reason
+    pool = _state(2, 4, 128)
+    ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, initial_state=pool)
+    assert not ok and "cpu" in reason
+
+
+def test_verifiers_reject_autograd():
+    kw = _inputs(D=128)
+    kw["q"].requires_grad_(True)
+    ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
+    assert not ok and "grad" in reason
+    ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, inplace_final_state=False)
+    assert not ok and "grad" in reason
+    with torch.no_grad():
+        ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
+    assert not ok and "grad" not in reason  # only the device is wrong now
+
+
+@pytest.mark.parametrize("option, word", [
+    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(cp_context=object()), "cp_context"),
+    (dict(disable_recompute=True), "disable_recompute"),
+    (dict(chunk_size=32), "chunk_size"),
+    (dict(state_v_first=True, transpose_state_layout=True), "transpose_state_layout"),
+    (dict(lower_bound=None, A_log=None), "A_log"),
+])
+def test_chunk_verifier_rejects_fla_only_options(option, word):
+    kw = {**_inputs(D=128), **GATE, **option}
+    ok, reason = integ.chunk_kda_verifier(**kw)
+    assert not ok and word in reason
+
+
+@pytest.mark.parametrize("case, word", [
+    ("indices_1d_multi_token", "1-D"),
+    ("indices_not_inplace", "inplace_final_state"),
+    ("inplace_without_state", "initial_state"),
+    ("unknown_kwarg", "transpose_state_layout"),
+    ("gate_without_A_log", "A_log"),
+])
+def test_recurrent_verifier_rules(case, word):
+    kw = {**_inputs(B=2, T=2, D=128), **GATE, "initial_state": _state(10, 4, 128)}
+    if case == "indices_1d_multi_token":
+        kw["ssm_state_indices"] = torch.tensor([3, 5], dtype=torch.int32)
+    elif case == "indices_not_inplace":
+        kw.update(ssm_state_indices=torch.tensor([[3, 4], [5, 6]], dtype=torch.int32), inplace_final_state=False)
+    elif case == "inplace_without_state":
+        kw["initial_state"] = None
+    elif case == "unknown_kwarg":
+        kw["transpose_state_layout"] = True
+    else:
+        kw.update(A_log=None, lower_bound=None)
+    ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw)
+    assert not ok and word in reason
+
+
+def test_verifier_never_raises():
+    ok, reason = integ.chunk_kda_verifier(torch.zeros(1))
+    assert not ok and "TypeError" in reason
+    kw = _inputs(D=128)
+    kw["g"] = kw["g"][..., :64]  # wrong shape: flashkda's validation message
+    ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw, inplace_final_state=False)
+    assert not ok and "g must have shape" in reason
+
+
+@pytest.fixture
+def cpu_dispatch(monkeypatch):
+    """Make the verifiers accept CPU tensors; flashkda's public functions then run the reference on the CPU."""
+    monkeypatch.setattr(integ, "_kernel_unsupported", lambda *args: None)
+    monkeypatch.setattr(_ext, "HAS_EXTENSION", True)  # the backend's is_available()
+    return {"chunk_kda": _counting(monkeypatch, kda_api, "chunk_kda"),
+            "fused_recurrent_kda": _counting(monkeypatch, kda_api, "fused_recurrent_kda")}
+
+
+def test_cpu_inplace_pool_without_indices(cpu_dispatch):
+    D, HV = 16, 4
+    kw = _inputs(B=2, T=3, D=D, dtype=torch.float32)
+    pool = _state(2, HV, D)
+    want_o, want_s = flashkda.fused_recurrent_kda(**kw, **GATE, initial_state=pool.clone(), state_v_first=True,
+                                                  output_final_state=True)
+    q, k, v, g, beta, A_log, dt_bias = (kw[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias"))
+    # positional, as FLA's serving code may call it: (..., initial_state, scale, output_final_state,
+    # inplace_final_state, state_v_first)
+    o, s = fla_fused_recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, pool, None, False, True, True, **GATE)
+    assert cpu_dispatch["fused_recurrent_kda"] == ["fused_recurrent_kda"]
+    assert s is pool
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(pool, want_s)
+
+
+@pytest.mark.parametrize("indices", ["1d", "2d", "2d_varlen"])
+def test_cpu_pool_with_indices(cpu_dispatch, indices):
+    D, HV, N = 16, 4, 3
+    if indices == "1d":
+        kw = _inputs(B=N, T=1, D=D, dtype=torch.float32)
+        idx = torch.tensor([7, 0, 4], dtype=torch.int32)
+    elif indices == "2d":
+        kw = _inputs(B=N, T=2, D=D, dtype=torch.float32)
+        idx = torch.tensor([[7, 8], [0, 1], [4, 5]], dtype=torch.int32)
+    else:
+        kw = _inputs(lens=[2, 0, 1], D=D, dtype=torch.float32)
+        idx = torch.tensor([[7, 8], [0, 1], [4, 5]], dtype=torch.int32)
+    pool = _state(N + 8, HV, D)
+    want_pool = pool.clone()
+    want_o, _ = flashkda.fused_recurrent_kda(**kw, **GATE, initial_state=want_pool, ssm_state_indices=idx,
+                                             state_v_first=True)
+    o, s = fla_fused_recurrent_kda_fwd(**kw, **GATE, initial_state=pool, ssm_state_indices=idx, state_v_first=True)
+    assert cpu_dispatch["fused_recurrent_kda"] == ["fused_recurrent_kda"]
+    assert s is pool
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(pool, want_pool)
+
+
+def test_cpu_public_fused_recurrent(cpu_dispatch):
+    D, HV = 16, 4
+    kw = _inputs(lens=[3, 1], D=D, dtype=torch.float32)
+    h0 = _state(2, HV, D)
+    want_o, want_s = flashkda.fused_recurrent_kda(**kw, **GATE, initial_state=h0, output_final_state=True)
+    o, s = fla_kda.fused_recurrent_kda(**kw, **GATE, initial_state=h0, output_final_state=True)
+    assert cpu_dispatch["fused_recurrent_kda"] == ["fused_recurrent_kda"]
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(s, want_s)
+
+
+@pytest.mark.parametrize("layout_arg", ["state_v_first", "transpose_state_layout"])
+def test_cpu_chunk_kda(cpu_dispatch, layout_arg):
+    D, HV = 16, 4
+    kw = _inputs(lens=[5, 0, 9], D=D, dtype=torch.float32)
+    kw["dt_bias"] = kw["dt_bias"].view(HV, D)  # [HV, K] works as well as [HV * K]
+    h0 = _state(3, HV, D)
+    want_o, want_s = flashkda.chunk_kda(**kw, **GATE, initial_state=h0, output_final_state=True, state_v_first=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        o, s = fla_kda.chunk_kda(**kw, **GATE, safe_gate=True, initial_state=h0, output_final_state=True,
+                                 **{layout_arg: True})
+    assert cpu_dispatch["chunk_kda"] == ["chunk_kda"]
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught) == (layout_arg != "state_v_first")
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(s, want_s)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and flashkda's extension")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    return _counting(monkeypatch, kda_api, "_run_recurrent_kernel")
+
+
+def _serving_case(indices):
+    """bf16, K = V = 128, GVA, fp32 pool [N + 8, HV, V, K], int32 slots, lower-bound gate in kernel."""
+    N, HV, D = 3, 4, 128
+    T = 1 if indices == "1d" else 3
+    kw = _inputs(B=N, T=T, H=2, HV=HV, D=D, device="cuda")
+    slots = torch.randperm(N + 8, generator=torch.Generator().manual_seed(2))
+    idx = slots[:N] if indices == "1d" else slots[:N * T].view(N, T)
+    kw.update(GATE, state_v_first=True, ssm_state_indices=idx.to("cuda", torch.int32))
+    return kw, _state(N + 8, HV, D, device="cuda")
+
+
+@cuda
+@pytest.mark.parametrize("indices", ["1d", "2d"])
+def test_gpu_fused_recurrent_reaches_flashkda(kernel_calls, monkeypatch, indices):
+    kw, pool = _serving_case(indices)
+    pool0 = pool.clone()
+    want_pool = pool.clone()
+    want_o, _ = flashkda.fused_recurrent_kda(**kw, initial_state=want_pool)
+    n = len(kernel_calls)
+    with torch.inference_mode():
+        o, s = fla_fused_recurrent_kda_fwd(**kw, initial_state=pool)
+    assert len(kernel_calls) == n + 1 and s is pool
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(pool, want_pool)
+
+    # FLA's own Triton kernel, our backend switched off, agrees.
+    monkeypatch.setenv(integ.ENV_VAR, "0")
+    fla_pool = pool0.clone()
+    fla_o, fla_s = fla_fused_recurrent_kda_fwd(**kw, initial_state=fla_pool)
+    assert fla_s is fla_pool
+    assert len(kernel_calls) == n + 1
+    assert rel_err(fla_o, o) < 1e-2
+    assert rel_err(fla_pool, pool) < 1e-2
+
+
+@cuda
+def test_gpu_fused_recurrent_inplace_without_indices(kernel_calls):
+    kw, _ = _serving_case("2d")
+    del kw["ssm_state_indices"]
+    h0 = _state(3, 4, 128, device="cuda")
+    want_o, want_s = flashkda.fused_recurrent_kda(**kw, initial_state=h0, output_final_state=True)
+    n = len(kernel_calls)
+    o, s = fla_fused_recurrent_kda_fwd(**kw, initial_state=h0)
+    assert len(kernel_calls) == n + 1 and s is h0
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(h0, want_s)
+
+
+@cuda
+def test_gpu_chunk_kda_reaches_flashkda(kernel_calls, monkeypatch):
+    kw = _inputs(lens=[37, 1, 70], H=2, HV=4, D=128, device="cuda")
+    kw["cu_seqlens"] = kw["cu_seqlens"].long()  # FLA documents int64 offsets for chunk_kda
+    h0 = _state(3, 4, 128, device="cuda")
+    opts = dict(**GATE, safe_gate=True, state_v_first=True, initial_state=h0, output_final_state=True)
+    want_o, want_s = flashkda.chunk_kda(**kw, **opts)
+    n = len(kernel_calls)
+    with torch.no_grad():
+        o, s = fla_kda.chunk_kda(**kw, **opts)
+    assert len(kernel_calls) == n + 1
+    torch.testing.assert_close(o, want_o)
+    torch.testing.assert_close(s, want_s)
+
+    monkeypatch.setenv(integ.ENV_VAR, "0")
+    with torch.no_grad():
+        fla_o, fla_s = fla_kda.chunk_kda(**kw, **opts)
+    assert len(kernel_calls) == n + 1
+    assert rel_err(fla_o, o) < 2e-2
+    assert rel_err(fla_s, s) < 2e-2
+
+
+@cuda
+def test_gpu_unsupported_falls_back_to_fla(kernel_calls):
+    n = len(kernel_calls)
+    # K = V = 32: no flashkda kernel
+    kw = _inputs(B=2, T=1, H=2, HV=2, D=32, device="cuda")
+    pool = _state(10, 2, 32, device="cuda")
+    idx = torch.tensor([4, 9], dtype=torch.int32, device="cuda")
+    assert not integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, initial_state=pool, ssm_state_indices=idx)[0]
+    o, s = fla_fused_recurrent_kda_fwd(**kw, **GATE, initial_state=pool, ssm_state_indices=idx)
+    assert s is pool and o.shape == kw["v"].shape and torch.isfinite(o).all()
+    # autograd: FLA's Triton chunk_kda runs (and can backpropagate)
+    kw = _inputs(B=1, T=64, H=2, HV=2, D=128, device="cuda")
+    kw["q"].requires_grad_(True)
+    o, _ = fla_kda.chunk_kda(**kw, **GATE, safe_gate=True)
+    o.float().sum().backward()
+    assert kw["q"].grad is not None and torch.isfinite(o).all()
+    assert len(kernel_calls) == n
