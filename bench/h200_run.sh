@@ -17,13 +17,14 @@ FLASHKDA_CUDA_ARCHS=${FLASHKDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
 echo "build: $(( $(date +%s) - t0 )) s"
 rc=0
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -x tests/ -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
+  python3 -m pytest -q -x ${TESTS:-tests/} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
   python3 -m flashkda 2>&1 | tee "$OUT/main.log" || rc=1
 fi
 if [[ $what == all || $what == bench ]]; then
-  python3 -m pytest -q bench/ -p no:cacheprovider --flashkda-results "$OUT/results.json" \
+  # FLASHKDA_FLA_BACKEND=0: the FLA baselines must run FLA itself, not flashkda registered inside it.
+  FLASHKDA_FLA_BACKEND=0 python3 -m pytest -q bench/ -p no:cacheprovider --flashkda-results "$OUT/results.json" \
     --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -5
-  PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/host_profile.py || rc=1
+  FLASHKDA_FLA_BACKEND=0 PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/host_profile.py || rc=1
   python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" || rc=1
 fi
 exit $rc

@@ -218,35 +218,51 @@ struct TokenScratch {
   float decay[D];  // exp(log decay)
 };
 
-// Stages token t of sequence `seq` for value head hv (q/k head h); returns k·q of the staged vectors.
+// The raw loads of one token, issued early so that their latency overlaps other work.
+template <int D>
+struct TokenRegs {
+  static constexpr int M = D / 32;  // channels per lane: lane, lane + 32, ...
+  float q[M], k[M], g[M], bias[M];  // g[0] / bias[0] only with a scalar gate
+};
+
 template <typename Elem, int D>
-__device__ __forceinline__ float stage_token(const RecurrentParams& p, const Sequence& seq, int64_t t, int h, int hv,
-                                             float a, TokenScratch<D>& sc, int lane) {
-  constexpr int M = D / 32;
+__device__ __forceinline__ TokenRegs<D> load_token(const RecurrentParams& p, const Sequence& seq, int64_t t, int h,
+                                                   int hv, int lane) {
+  constexpr int M = TokenRegs<D>::M;
   const Elem* q_ptr = static_cast<const Elem*>(p.q) + seq.batch * p.q_batch_stride + t * p.q_token_stride + h * p.q_head_stride;
   const Elem* k_ptr = static_cast<const Elem*>(p.k) + seq.batch * p.k_batch_stride + t * p.k_token_stride + h * p.k_head_stride;
   const int64_t g_off = seq.batch * p.g_batch_stride + t * p.g_token_stride + hv * p.g_head_stride;
-  float qr[M], kr[M], dr[M];
-  float qq = 0.f, kk = 0.f, qk = 0.f;
-  float scalar_decay = 0.f;
-  if (p.scalar_gate) {
-    const float bias = p.dt_bias != nullptr ? p.dt_bias[hv] : 0.f;
-    scalar_decay = __expf(log_decay(p, load_any(p.g, p.g_dtype, g_off), bias, a));
-  }
+  TokenRegs<D> r;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     const int ch = lane + 32 * m;
-    qr[m] = to_float(q_ptr[ch]);
-    kr[m] = to_float(k_ptr[ch]);
-    qq += qr[m] * qr[m];
-    kk += kr[m] * kr[m];
-    qk += qr[m] * kr[m];
+    r.q[m] = to_float(q_ptr[ch]);
+    r.k[m] = to_float(k_ptr[ch]);
     if (p.scalar_gate) {
-      dr[m] = scalar_decay;
+      r.g[m] = m == 0 ? load_any(p.g, p.g_dtype, g_off) : 0.f;
+      r.bias[m] = m == 0 && p.dt_bias != nullptr ? p.dt_bias[hv] : 0.f;
     } else {
-      const float bias = p.dt_bias != nullptr ? p.dt_bias[int64_t(hv) * D + ch] : 0.f;
-      dr[m] = __expf(log_decay(p, load_any(p.g, p.g_dtype, g_off + ch), bias, a));
+      r.g[m] = load_any(p.g, p.g_dtype, g_off + ch);
+      r.bias[m] = p.dt_bias != nullptr ? p.dt_bias[int64_t(hv) * D + ch] : 0.f;
     }
+  }
+  return r;
+}
+
+// Preprocesses a loaded token into the warp's scratch (q scaled and normalised, k normalised, the
+// decay); returns k·q of the staged vectors. `a` is exp(A_log[hv]) (1 without A_log).
+template <int D>
+__device__ __forceinline__ float finish_token(const RecurrentParams& p, const TokenRegs<D>& r, float a,
+                                              TokenScratch<D>& sc, int lane) {
+  constexpr int M = TokenRegs<D>::M;
+  float qq = 0.f, kk = 0.f, qk = 0.f, dr[M];
+  const float scalar_decay = p.scalar_gate ? __expf(log_decay(p, r.g[0], r.bias[0], a)) : 0.f;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    qq += r.q[m] * r.q[m];
+    kk += r.k[m] * r.k[m];
+    qk += r.q[m] * r.k[m];
+    dr[m] = p.scalar_gate ? scalar_decay : __expf(log_decay(p, r.g[m], r.bias[m], a));
   }
   float q_scale = p.scale, k_scale = 1.f;
   if (p.l2norm) {
@@ -254,48 +270,50 @@ __device__ __forceinline__ float stage_token(const RecurrentParams& p, const Seq
     k_scale = rsqrtf(group_sum<32>(kk) + kL2NormEps);
   }
   qk = group_sum<32>(qk);
-  __syncwarp();  // the previous token's scratch has been read by every lane
+  __syncwarp();  // the previous token's scratch has been read by every lane of this warp
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     const int ch = lane + 32 * m;
-    sc.q[ch] = qr[m] * q_scale;
-    sc.k[ch] = kr[m] * k_scale;
+    sc.q[ch] = r.q[m] * q_scale;
+    sc.k[ch] = r.k[m] * k_scale;
     sc.decay[ch] = dr[m];
   }
   __syncwarp();
   return qk * q_scale * k_scale;
 }
 
-// ---------------------------------------------------------------------------------------------
-// V-first state ([HV, V, K]): a row of K contiguous keys per value index. Groups of 8 lanes span a
-// row in 16-byte chunks (chunk c of lane j covers keys 32c + 4j .. 32c + 4j + 3), so each
-// reduction over K is three shuffles inside the group and the block needs no barrier.
-// ---------------------------------------------------------------------------------------------
+template <typename Elem, int D>
+__device__ __forceinline__ float stage_token(const RecurrentParams& p, const Sequence& seq, int64_t t, int h, int hv,
+                                             float a, TokenScratch<D>& sc, int lane) {
+  return finish_token<D>(p, load_token<Elem, D>(p, seq, t, h, hv, lane), a, sc, lane);
+}
 
-template <int D, int BV>
+template <int D>
 struct VFirstShape {
   static constexpr int kThreads = 128;
   static constexpr int kWarps = kThreads / 32;
-  // Register cap (64 for 16 rows, 80 for 32): enough blocks per SM to keep state loads in flight.
-  static constexpr int kMinBlocks = BV <= 16 ? 8 : 6;
+  static constexpr int kRows = 32;                         // value rows per block
+  // Register cap of 80: six blocks per SM. Measured on the H200 against 16-row blocks and against a
+  // persistent cp.async-pipelined variant, this was the fastest (see DESIGN.md).
+  static constexpr int kMinBlocks = 6;
   static constexpr int kLanesK = 8;                        // lanes along K
   static constexpr int kChunks = D / (4 * kLanesK);        // 16-byte chunks per lane and row
   static constexpr int kRowsPerPass = kThreads / kLanesK;  // rows covered by the block at once
-  static constexpr int kRowsPerThread = BV / kRowsPerPass;
+  static constexpr int kRowsPerThread = kRows / kRowsPerPass;
   static_assert(D % (4 * kLanesK) == 0, "head dim must be a multiple of 32");
-  static_assert(BV % kRowsPerPass == 0 && D % BV == 0, "bad value block");
+  static_assert(kRows % kRowsPerPass == 0 && D % kRows == 0, "bad value block");
 };
 
-template <typename Elem, int D, int BV>
-__global__ void __launch_bounds__(VFirstShape<D, BV>::kThreads, VFirstShape<D, BV>::kMinBlocks)
+template <typename Elem, int D>
+__global__ void __launch_bounds__(VFirstShape<D>::kThreads, VFirstShape<D>::kMinBlocks)
     decode_step_vfirst(const RecurrentParams p) {
-  using Shape = VFirstShape<D, BV>;
+  using Shape = VFirstShape<D>;
   constexpr int TK = Shape::kLanesK, CH = Shape::kChunks, RPT = Shape::kRowsPerThread;
-  constexpr int kBlocksV = D / BV;
+  constexpr int kBlocksV = D / Shape::kRows;
   __shared__ __align__(16) TokenScratch<D> scratch[Shape::kWarps];
   const BlockCoords bc = block_coords(p, kBlocksV);
   const int n = bc.n, hv = bc.hv;
-  const int v0 = bc.vblock * BV;
+  const int v0 = bc.vblock * Shape::kRows;
   const int h = hv / (p.HV / p.H);
   const int lane = threadIdx.x % 32;
   const int lane_k = threadIdx.x % TK;
@@ -519,14 +537,10 @@ template <typename Elem, int D>
 cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
   if (p.state_v_first) {
-    // Smaller value blocks put more blocks in flight when there are few (sequence, head) pairs.
-    const bool small = int64_t(p.N) * p.HV * (D / 32) < 4 * int64_t(p.num_sms);
-    return FLASHKDA_BOOL_SWITCH(small, kSmall, [&] {
-      constexpr int BV = kSmall ? 16 : 32;
-      const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / BV)));
-      decode_step_vfirst<Elem, D, BV><<<grid, VFirstShape<D, BV>::kThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    });
+    constexpr int BV = VFirstShape<D>::kRows;
+    const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / BV)));
+    decode_step_vfirst<Elem, D><<<grid, VFirstShape<D>::kThreads, 0, stream>>>(p);
+    return cudaGetLastError();
   }
   const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / KFirstShape<D>::kCols)));
   decode_step_kfirst<Elem, D><<<grid, KFirstShape<D>::kThreads, 0, stream>>>(p);

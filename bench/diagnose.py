@@ -1,0 +1,92 @@
+"""Decode diagnostics on the device: measured copy bandwidth, and per-call kernel time from CUDA
+graph replays (no host overhead) for each N, next to FLA's kernel. `--ncu N` runs three calls at one
+N for a profiler to capture."""
+
+import argparse
+import sys
+
+import torch
+
+import flashkda
+from test_decode import NS, _bytes, _inputs
+
+try:
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_decode
+except Exception:
+    fla_decode = None
+
+
+def copy_bandwidth_tbs(nbytes=2 << 30):
+    x = torch.empty(nbytes // 4, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        s.record()
+        y.copy_(x)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    times.sort()
+    return 2 * nbytes / (times[len(times) // 2] * 1e-3) / 1e12
+
+
+def graph_ms(fn, calls=20, reps=5):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = []
+    for _ in range(reps):
+        st.record()
+        g.replay()
+        en.record()
+        en.synchronize()
+        best.append(st.elapsed_time(en) / calls)
+    best.sort()
+    return best[len(best) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ncu", type=int, default=0)
+    args = ap.parse_args()
+    if args.ncu:
+        kw = _inputs(args.ncu)
+        out = torch.empty_like(kw["v"])
+        for _ in range(3):
+            flashkda.fused_recurrent_kda(**kw, out=out)
+            if fla_decode is not None:
+                fla_decode(**kw, inplace_final_state=True, out=out)
+        torch.cuda.synchronize()
+        return
+    bw = copy_bandwidth_tbs()
+    print(f"copy bandwidth: {bw:.2f} TB/s (read + write)")
+    import os
+    variants = ["pipe", "s32", "s16"]
+    print(f"{'N':>6} " + " ".join(f"{v:>9}" for v in variants) + f" {'fla':>9} {'floor':>9}")
+    for N in NS:
+        kw = _inputs(N)
+        out = torch.empty_like(kw["v"])
+        row = []
+        for var in variants:
+            os.environ["FLASHKDA_EXP_VARIANT"] = var
+            row.append(graph_ms(lambda: flashkda.fused_recurrent_kda(**kw, out=out)))
+        theirs = graph_ms(lambda: fla_decode(**kw, inplace_final_state=True, out=out)) if fla_decode else float("nan")
+        floor = _bytes(N) / (bw * 1e12) * 1e3
+        print(f"{N:>6} " + " ".join(f"{t:>9.4f}" for t in row) + f" {theirs:>9.4f} {floor:>9.4f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
