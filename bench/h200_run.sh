@@ -25,6 +25,7 @@ if [[ $what == all || $what == bench ]]; then
   FLASHKDA_FLA_BACKEND=0 python3 -m pytest -q bench/ -p no:cacheprovider --flashkda-results "$OUT/results.json" \
     --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -5
   FLASHKDA_FLA_BACKEND=0 PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/host_profile.py || rc=1
+  FLASHKDA_FLA_BACKEND=0 PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/diagnose.py | tee "$OUT/graph.txt" || rc=1
   python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" || rc=1
 fi
 exit $rc
