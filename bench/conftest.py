@@ -17,6 +17,10 @@ def pytest_addoption(parser):
     parser.addoption("--flashkda-results", default=None, help="write benchmark records (JSON list) here")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sweep: time-against-T sweep for the plot (bench/report.py --plot)")
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="benchmarks need a CUDA device")

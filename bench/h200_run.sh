@@ -26,6 +26,6 @@ if [[ $what == all || $what == bench ]]; then
     --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -5
   FLASHKDA_FLA_BACKEND=0 PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/host_profile.py || rc=1
   FLASHKDA_FLA_BACKEND=0 PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/diagnose.py | tee "$OUT/graph.txt" || rc=1
-  python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" || rc=1
+  python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" --plot "$OUT/prefill_vs_T.png" || rc=1
 fi
 exit $rc

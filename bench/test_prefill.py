@@ -1,0 +1,116 @@
+"""Prefill microbenchmarks (issue: chunked prefill), set up as shared/BENCH_SETUP.md describes.
+
+B = 1, K = V = 128, bf16 q/k/v/g/beta (raw: l2norm, gate and beta sigmoid in the kernel), lower-bound
+gate -5 with A_log [H] and dt_bias [H, K], safe_gate, fp32 V-first initial and final state,
+inference mode. FLA's chunk_kda and chunk_gated_delta_rule (the scalar-gate baseline) run in the
+same session when importable; the floor is the bytes that must move over the copy bandwidth.
+Records: impl flashkda, flashkda_softplus (unbounded gate), flashkda_gdn (scalar gate), fla_chunk_kda,
+fla_chunk_gdn; cases named as in the issue, plus sweep_T{T}_H{H} for the plot of time against T.
+"""
+
+import pytest
+import torch
+
+import flashkda
+from common import cuda_median_ms, floor_ms, record
+
+D = 128
+ROWS = {
+    "fixed_8k_H96": ([8192], 96),
+    "varlen6_8k_H96": ([1300, 547, 2048, 963, 271, 3063], 96),
+    "varlen_1024x8_H96": ([1024] * 8, 96),
+    "fixed_8k_H64": ([8192], 64),
+    "fixed_8k_H16": ([8192], 16),
+    "fixed_32k_H8": ([32768], 8),
+}
+# Time against T for the plot (bench/report.py --plot).
+SWEEP = {f"sweep_T{T}_H{H}": ([T], H) for H in (16, 32, 96) for T in (1024, 2048, 4096, 8192, 16384)}
+
+try:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn
+    from fla.ops.kda import chunk_kda as fla_kda
+except Exception:  # fla not installed (or no triton): baselines skipped
+    fla_kda = fla_gdn = None
+
+
+def _inputs(lens, H, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    T = sum(lens)
+    bf = torch.bfloat16
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(bf)
+
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return dict(
+        q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, H, D), g=rnd(1, T, H, D), beta=rnd(1, T, H),
+        A_log=torch.rand(H, device="cuda", generator=gen), dt_bias=torch.rand(H, D, device="cuda", generator=gen),
+        initial_state=0.1 * torch.randn(len(lens), H, D, D, device="cuda", generator=gen),
+        cu_seqlens=cu if len(lens) > 1 else None, cu_seqlens_cpu=cu.cpu() if len(lens) > 1 else None,
+    )
+
+
+KDA_FLAGS = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                 use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=-5.0, state_v_first=True)
+
+
+def _floor(lens, H, gdn=False):
+    T, N = sum(lens), len(lens)
+    tokens = T * H * D * 2 * (4 if gdn else 5) + T * H * (6 if gdn else 2)  # q k v o, g bf16 (KDA); beta, g fp32 (GDN)
+    return floor_ms(tokens + 2 * N * H * D * D * 4)
+
+
+def _calls(lens, H):
+    return 20 if sum(lens) * H > 8192 * 32 else 50
+
+
+def _gdn_inputs(kw):
+    g = torch.nn.functional.logsigmoid(torch.randn(kw["q"].shape[:3], device="cuda"))
+    return dict(q=kw["q"], k=kw["k"], v=kw["v"], g=g, beta=kw["beta"].float().sigmoid().to(kw["beta"].dtype),
+                initial_state=kw["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                state_v_first=True, cu_seqlens=kw["cu_seqlens"])
+
+
+IMPLS = ["flashkda", "flashkda_softplus", "flashkda_gdn", "fla_chunk_kda", "fla_chunk_gdn"]
+
+
+def _run(case, lens, H, impl, benchmark):
+    kw = _inputs(lens, H)
+    if impl == "flashkda":
+        fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
+    elif impl == "flashkda_softplus":
+        flags = dict(KDA_FLAGS, lower_bound=None, safe_gate=False)
+        fn = lambda: flashkda.chunk_kda(**kw, **flags)  # noqa: E731
+    elif impl == "flashkda_gdn":
+        gk = _gdn_inputs(kw)
+        fn = lambda: flashkda.chunk_gated_delta_rule(**gk)  # noqa: E731
+    elif impl == "fla_chunk_kda":
+        if fla_kda is None:
+            pytest.skip("fla not importable")
+        fla_kw = dict(kw, dt_bias=kw["dt_bias"].reshape(-1))
+        fn = lambda: fla_kda(**fla_kw, **KDA_FLAGS)  # noqa: E731
+    else:
+        if fla_gdn is None:
+            pytest.skip("fla not importable")
+        gk = _gdn_inputs(kw)
+        fn = lambda: fla_gdn(**gk)  # noqa: E731
+    with torch.inference_mode():
+        ms = cuda_median_ms(fn, calls=_calls(lens, H))
+        rec = record(case, impl, ms, _floor(lens, H, gdn=impl.endswith("gdn")))
+        benchmark.extra_info.update(rec)
+        benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(ROWS))
+def test_prefill(benchmark, case, impl):
+    lens, H = ROWS[case]
+    _run(case, lens, H, impl, benchmark)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("impl", ["flashkda", "fla_chunk_kda", "fla_chunk_gdn"])
+@pytest.mark.parametrize("case", list(SWEEP))
+def test_prefill_sweep(benchmark, case, impl):
+    lens, H = SWEEP[case]
+    _run(case, lens, H, impl, benchmark)
