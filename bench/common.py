@@ -14,10 +14,22 @@ COPY_BANDWIDTH = 4.3e12
 RESULTS: List[dict] = []
 
 
-def cuda_median_ms(fn: Callable[[], object], warmup: int = 5, rounds: int = 2, calls: int = 50) -> float:
-    """Median of per-call CUDA-event times: each call timed alone, so host gaps show."""
-    for _ in range(warmup):
+def cuda_median_ms(fn: Callable[[], object], warmup: int = 5, rounds: int = 2, calls: int = 50,
+                   warmup_s: float = 0.05) -> float:
+    """Median of per-call CUDA-event times: each call timed alone, so host gaps show.
+
+    Warm-up: at least `warmup` calls and `warmup_s` seconds, so that the first case of a session is
+    not measured on a cold host (clocks, caches) while the later ones are.
+    """
+    import time
+
+    t_end = time.perf_counter() + warmup_s
+    done = 0
+    while done < warmup or time.perf_counter() < t_end:
         fn()
+        done += 1
+        if done % 10 == 0:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     times = []
     for _ in range(rounds):

@@ -148,6 +148,22 @@ def test_out_of_range_slot_is_skipped_on_cuda():
     assert not torch.equal(pool[1], before[1])
 
 
+def test_debug_mode_rejects_slots_beyond_the_pool(monkeypatch):
+    """FLASHKDA_DEBUG turns the device-side skip of an out-of-pool slot into an error (it syncs)."""
+    from flashkda import _ext
+
+    monkeypatch.setattr(_ext.config, "debug", True)
+    kw = make_inputs(B=2, T=1, H=1, D=64, dtype=torch.bfloat16, device="cuda", state=False)
+    pool = torch.zeros(3, 1, 64, 64, device="cuda")
+    with pytest.raises(ValueError, match="pool has 3 slots"):
+        flashkda.fused_recurrent_kda(**kw, initial_state=pool,
+                                     ssm_state_indices=torch.tensor([0, 3], dtype=torch.int32, device="cuda"))
+    bad_cu = torch.tensor([0, 2, 1, 2], dtype=torch.int32, device="cuda")
+    kw = make_inputs(B=1, T=2, H=1, D=64, dtype=torch.bfloat16, device="cuda", state=False)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flashkda.chunk_kda(**kw, cu_seqlens=bad_cu)
+
+
 def test_cuda_graph_replay_matches_eager():
     N, D, slots = 8, 128, 16
     gen_kw = dict(B=N, T=1, H=2, HV=2, D=D, dtype=torch.bfloat16, device="cuda", state=False, state_v_first=True)
