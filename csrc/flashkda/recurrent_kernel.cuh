@@ -2,8 +2,8 @@
 //
 // Decode reads and writes the whole state once per call and does a few FLOPs per state element, so
 // it is bound by memory: the state stays in fp32 registers for all tokens of a sequence, each
-// element is loaded and stored exactly once with 16-byte (fp32) or 8-byte (bf16) accesses, and a
-// block owns a slice of value rows/columns so that nothing crosses blocks.
+// element is loaded and stored exactly once (V-first: 16-byte fp32 or 8-byte bf16 accesses; K-first:
+// coalesced words), and a block owns a slice of value rows/columns so that nothing crosses blocks.
 //
 // Both state layouts use the identity  o_t = S_dᵀ q_t + u_t (k_t · q_t),  with S_d the decayed state
 // and u_t = beta_t (v_t − S_dᵀ k_t), so S_dᵀ k and S_dᵀ q come from one sweep over the registers.
@@ -196,9 +196,8 @@ __device__ __forceinline__ int64_t final_slot(const RecurrentParams& p, int n, c
   return n;
 }
 
-// Blocks are numbered value block fastest, then head, then sequence, so that blocks running at
-// the same time touch few state slots: a slot is HV * D * D elements (2 MB for 32 fp32 heads of
-// 128), and spreading concurrent blocks over hundreds of slots thrashes the TLB.
+// Blocks are numbered value block fastest, then head, then sequence: the blocks of one state slot
+// (HV * D * D contiguous elements) run together.
 struct BlockCoords {
   int n, hv, vblock;
 };
@@ -233,7 +232,7 @@ struct TokenScratch {
   float decay[D];  // exp(log decay)
 };
 
-// The raw loads of one token, issued early so that their latency overlaps other work.
+// The raw values of one token that a lane preprocesses (channels lane, lane + 32, ...).
 template <int D>
 struct TokenRegs {
   static constexpr int M = D / 32;  // channels per lane: lane, lane + 32, ...
