@@ -1,0 +1,123 @@
+"""Precision study for the chunked prefill kernels (CPU, PyTorch): the chunked algorithm with the
+rounding a tensor-core kernel applies — bf16 operands for every matrix product, fp32 accumulation —
+against the fp64 token-by-token recurrence, on the accuracy case of the chunked-prefill issue.
+
+Choices compared: chunk size (16 / 32 / 64 tokens, gate references per 16-token sub-chunk), the
+state operand of the state products (bf16 like the other operands, or kept fp32), the precision of
+the inverse (I + A)^-1 (fp32, or rounded to bf16 before it multiplies), and the corrected values
+U = (I + A)^-1 β (V − K S) as an operand of the output and state products (bf16, or fp32 — e.g. a
+bf16 hi/lo split or tf32). The state itself is always carried in fp32 between chunks.
+
+    python bench/chunk_precision.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkda.reference import kda_reference, preprocess
+
+SUB = 16  # gate reference interval: exp(±(Γ − Γ_ref)) stays within 16 · |lower_bound| of 1
+
+
+def bf(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def chunked(q, k, v, g, beta, S, C: int, state_op_bf16: bool, inverse_bf16: bool, bounded: bool,
+            u_bf16: bool = True):
+    """One sequence: q, k [T, H, K], v [T, H, V], g [T, H, K] log decay, beta [T, H], S [H, K, V]
+    (all fp32). Returns o [T, H, V] and the final S.
+
+    bounded (lower-bound gate): the intra-chunk products are two bf16 operands referenced to the
+    sub-chunk of i. Otherwise (unbounded gate) exp(Γ_i − Γ_j) is formed pairwise in fp32 and
+    multiplies bf16 k and q elementwise (CUDA-core work in a kernel)."""
+    T = q.shape[0]
+    o = torch.empty_like(v)
+    rnd_s = bf if state_op_bf16 else (lambda x: x)
+    for s in range(0, T, C):
+        e = min(s + C, T)
+        n = e - s
+        qc, kc, vc, bc = (x[s:e].transpose(0, 1) for x in (q, k, v, beta))  # [H, n, ...]
+        gam = g[s:e].transpose(0, 1).cumsum(1)  # [H, n, K]
+        ref = gam[:, (torch.arange(n) // SUB) * SUB]  # Γ at the start of each token's sub-chunk
+        # A[i, j] = Σ k_i k_j e^{Γ_i − Γ_j} for j < i, as the product of two bf16 operands referenced to
+        # the sub-chunk of i: (k_i e^{Γ_i − Γ_r(i)}) · (k_j e^{Γ_r(i) − Γ_j}).
+        lower = torch.ones(n, n, dtype=torch.bool).tril(-1)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        if bounded:
+            left_k = bf(kc * (gam - ref).exp())
+            left_q = bf(qc * (gam - ref).exp())
+            # [H, i, j, K]; entries with j beyond i's sub-chunk may overflow and are masked below
+            right = bf(kc[:, None] * (ref[:, :, None] - gam[:, None]).exp()).nan_to_num(posinf=0.0)
+            a_kk = torch.einsum("hik,hijk->hij", left_k, right)
+            a_qk = torch.einsum("hik,hijk->hij", left_q, right)
+        else:
+            diff = gam[:, :, None] - gam[:, None]  # [H, i, j, K]
+            decay = torch.where(causal[None, :, :, None], diff, float("-inf")).exp()
+            a_kk = torch.einsum("hik,hjk,hijk->hij", bf(kc), bf(kc), decay)
+            a_qk = torch.einsum("hik,hjk,hijk->hij", bf(qc), bf(kc), decay)
+        a_kk = torch.where(lower, a_kk, 0.0)
+        a_qk = torch.where(causal, a_qk, 0.0)
+        lhs = torch.eye(n) + bc[..., None] * a_kk
+        inv = torch.linalg.solve_triangular(lhs, torch.eye(n).expand_as(lhs), upper=False, unitriangular=True)
+        if inverse_bf16:
+            inv = bf(inv)
+        k_dec = bf(kc * gam.exp())  # k_i e^{Γ_i}
+        w = bf(inv @ (bc[..., None] * k_dec))  # WY form: U = T β V − W S
+        u = inv @ bf(bc[..., None] * vc) - w @ rnd_s(S)
+        if u_bf16:
+            u = bf(u)
+        q_dec = bf(qc * gam.exp())
+        o[s:e] = (q_dec @ rnd_s(S) + bf(a_qk) @ u).transpose(0, 1)
+        k_tail = bf(kc * (gam[:, -1:] - gam).exp())
+        S = S * gam[:, -1].exp()[..., None] + k_tail.transpose(1, 2) @ u
+    return o, S
+
+
+def case(seed: int, gate: str):
+    gen = torch.Generator().manual_seed(seed)
+    lens, H, D = [700, 1348], 4, 128
+    T = sum(lens)
+    r = lambda *s, sc=1.0: (sc * torch.randn(*s, generator=gen))  # noqa: E731
+    kw = dict(q=r(1, T, H, D).bfloat16(), k=r(1, T, H, D).bfloat16(), v=r(1, T, H, D).bfloat16(),
+              g=r(1, T, H, D, sc=2.0).bfloat16(), beta=r(1, T, H).bfloat16(),
+              A_log=torch.rand(H, generator=gen), dt_bias=r(H * D), initial_state=0.1 * r(2, H, D, D),
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0 if gate == "lower_bound" else None)
+    cu = torch.tensor([0, lens[0], T])
+    return kw, cu
+
+
+def main():
+    print(f"{'gate':<12}{'chunk':>6}{'state op':>10}{'inverse':>9}{'U op':>6}{'out err':>10}{'state err':>11}")
+    for gate in ("lower_bound", "softplus"):
+        kw, cu = case(0, gate)
+        d = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+        ref_o, ref_s = kda_reference(**d, cu_seqlens=cu, output_final_state=True, core="recurrent")
+        qp, kp, gp, bp = preprocess(kw["q"], kw["k"], kw["g"], kw["beta"], scale=128 ** -0.5,
+                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
+                                    dt_bias=kw["dt_bias"], lower_bound=kw["lower_bound"],
+                                    use_beta_sigmoid_in_kernel=True)
+        variants = [(C, True, True, True) for C in (16, 32, 64)] + [(C, True, True, False) for C in (16, 64)] + [
+            (64, False, False, False)]
+        for C, state_bf16, inv_bf16, u_bf16 in variants:
+            outs, states = [], []
+            for n in range(2):
+                sl = slice(int(cu[n]), int(cu[n + 1]))
+                o, s = chunked(qp[0, sl], kp[0, sl], kw["v"][0, sl].float(), gp[0, sl], bp[0, sl],
+                               kw["initial_state"][n].clone(), C, state_bf16, inv_bf16,
+                               bounded=gate == "lower_bound", u_bf16=u_bf16)
+                outs.append(o.bfloat16())
+                states.append(s)
+            o = torch.cat(outs)[None].double()
+            s = torch.stack(states).double()
+            eo = float((o - ref_o).norm() / ref_o.norm())
+            es = float((s - ref_s).norm() / ref_s.norm())
+            print(f"{gate:<12}{C:>6}{'bf16' if state_bf16 else 'fp32':>10}{'bf16' if inv_bf16 else 'fp32':>9}"
+                  f"{'bf16' if u_bf16 else 'fp32':>6}"
+                  f"{eo:>10.2e}{es:>11.2e}")
+
+
+if __name__ == "__main__":
+    main()
