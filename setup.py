@@ -127,10 +127,15 @@ def cuda_extension():
     return (ext, BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)), None
 
 
-built, reason = cuda_extension()
-if built is None:
-    log(f"installing without the CUDA extension: {reason}")
-    setup()
-else:
-    ext, build_cmd = built
-    setup(ext_modules=[ext], cmdclass={"build_ext": build_cmd})
+def main() -> None:
+    built, reason = cuda_extension()
+    if built is None:
+        log(f"installing without the CUDA extension: {reason}")
+        setup()
+    else:
+        ext, build_cmd = built
+        setup(ext_modules=[ext], cmdclass={"build_ext": build_cmd})
+
+
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its helpers
+    main()
