@@ -2,25 +2,12 @@
 alone, the direct binding and the registered op. Each figure: back-to-back calls without
 synchronising, per call (µs)."""
 
-import time
-
 import torch
 
 import flashkda
+from common import host_overhead_us as per_call_us
 from flashkda import _ext, api
 from test_decode import _inputs
-
-
-def per_call_us(fn, calls=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
 
 
 def main():
@@ -42,7 +29,7 @@ def main():
         ("registered op (torch.ops)", lambda: _ext.recurrent_fwd_op(*args, *fixed)),
     ]
     for name, fn in rows:
-        print(f"host µs per call  {name:<36} {per_call_us(fn):7.2f}")
+        print(f"host µs per call  {name:<36} {per_call_us(fn, calls=2000):7.2f}")
 
 
 if __name__ == "__main__":
