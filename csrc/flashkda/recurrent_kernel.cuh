@@ -58,35 +58,8 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
-// Four consecutive elements as floats (8- or 16-byte load when aligned).
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, float (&out)[4]) {
-  if constexpr (sizeof(T) == 4) {
-    const float4 x = *reinterpret_cast<const float4*>(p);
-    out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const T* h = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] = to_float(h[e]);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float (&in)[4]) {
-  if constexpr (sizeof(T) == 4) {
-    *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
-  } else {
-    uint2 raw;
-    T* h = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) h[e] = from_float<T>(in[e]);
-    *reinterpret_cast<uint2*>(p) = raw;
-  }
-}
-
 // State tiles are streamed: read once, written once. The .cs (evict-first) loads and stores keep
-// them from displacing the small per-token vectors in the caches (12-20% faster on the H200).
+// them from displacing the small per-token vectors in the caches (3-19% faster on the H200, N = 1024-64).
 __device__ __forceinline__ void load4_state(const void* base, DType dt, int64_t i, float (&out)[4]) {
   if (dt == DType::kBFloat16) {
     const uint2* ptr = reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + i);
