@@ -5,7 +5,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
-what=${1:-all}   # all | tests | bench
+what=${1:-all}   # all | tests | bench | quick (TESTS, then bench/prefill_quick.py)
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -19,6 +19,11 @@ rc=0
 if [[ $what == all || $what == tests ]]; then
   python3 -m pytest -q -x ${TESTS:-tests/} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
   python3 -m flashkda 2>&1 | tee "$OUT/main.log" || rc=1
+fi
+if [[ $what == quick ]]; then
+  python3 -m pytest -q ${TESTS:-tests/test_cuda_chunk.py} -m "not slow" --tb=line -p no:cacheprovider 2>&1 \
+    | grep -v DEBUG | tail -25 || rc=1
+  PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/prefill_quick.py ${QUICK_ARGS:-} 2>&1 | grep -v -i warn || rc=1
 fi
 if [[ $what == all || $what == bench ]]; then
   # FLASHKDA_FLA_BACKEND=0: the FLA baselines must run FLA itself, not flashkda registered inside it.

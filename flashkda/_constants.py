@@ -14,3 +14,6 @@ REFERENCE_CHUNK = 32
 KERNEL_HEAD_DIMS = (64, 128)
 #: Range allowed for ``lower_bound``.
 LOWER_BOUND_MIN = -5.0
+#: Head dimension (K == V) of the chunked prefill kernels (``chunk::kHeadDim`` in
+#: csrc/flashkda/chunk_params.h); other kernel head dims run prefill on the recurrent kernel.
+CHUNK_HEAD_DIM = 128

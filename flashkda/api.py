@@ -231,34 +231,80 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
+def _gate_params(p: _Problem, A_log, dt_bias):
+    """A_log / dt_bias as the kernels take them: dropped for a precomputed gate, contiguous, flat."""
+    if p.gate_mode == GATE_PRECOMPUTED:
+        return None, None
+    if A_log is not None and not A_log.is_contiguous():
+        A_log = A_log.contiguous()
+    if dt_bias is not None and (dt_bias.dim() != 1 or not dt_bias.is_contiguous()):
+        dt_bias = dt_bias.reshape(-1).contiguous()
+    return A_log, dt_bias
+
+
+def _states(p: _Problem, initial_state, output_final_state, state_v_first, device):
+    """Contiguous initial state (or None) and a fresh fp32 final state in the requested layout (or None)."""
+    h0 = None if initial_state is None else initial_state.contiguous()
+    ht = None
+    if output_final_state:
+        shape = (p.N, p.HV, p.V, p.K) if state_v_first else (p.N, p.HV, p.K, p.V)
+        ht = torch.empty(shape, dtype=torch.float32, device=device)
+    return h0, ht
+
+
 def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
                           output_final_state, l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first,
                           ssm_state_indices, num_accepted_tokens, out):
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     g, beta = _last_dim_contiguous(g), _last_dim_contiguous(beta)
     o = out if out is not None else torch.empty_like(v, memory_format=torch.contiguous_format)
-    if p.gate_mode == GATE_PRECOMPUTED:
-        A_log = dt_bias = None
-    if A_log is not None and not A_log.is_contiguous():
-        A_log = A_log.contiguous()
-    if dt_bias is not None and (dt_bias.dim() != 1 or not dt_bias.is_contiguous()):
-        dt_bias = dt_bias.reshape(-1).contiguous()
+    A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     if p.serving:
         pool = initial_state
         h0, ht = None, pool
         if ssm_state_indices.stride(-1) != 1:
             ssm_state_indices = ssm_state_indices.contiguous()
     else:
-        h0 = None if initial_state is None else initial_state.contiguous()
-        ht = None
-        if output_final_state:
-            shape = (p.N, p.HV, p.V, p.K) if state_v_first else (p.N, p.HV, p.K, p.V)
-            ht = torch.empty(shape, dtype=torch.float32, device=q.device)
+        h0, ht = _states(p, initial_state, output_final_state, state_v_first, q.device)
     # Eager calls skip the dispatcher's boxing; traced code needs the registered op.
     run = _ext.recurrent_fwd_op if torch.compiler.is_compiling() else _ext.recurrent_fwd_eager
     run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, ssm_state_indices, num_accepted_tokens, o,
         p.scale, p.gate_mode, float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid,
         allow_neg_eigval, state_v_first)
+    return o, ht
+
+
+def _chunk_kernel_unsupported(p: _Problem, q) -> Optional[str]:
+    """Why the chunked kernels cannot serve a prefill the recurrent kernel can, or None."""
+    if p.K != C.CHUNK_HEAD_DIM:
+        return f"head dim {p.K} (chunked kernels: {C.CHUNK_HEAD_DIM})"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"{q.dtype} inputs (chunked kernels: bfloat16, float16)"
+    return None
+
+
+def _aligned16(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its rows can move in 16-byte pieces (the caching allocator aligns storages to
+    at least 256 bytes, so the storage offset decides), else a contiguous copy."""
+    if torch.compiler.is_compiling():  # storage offsets are not traceable; copies only if strided
+        return x.contiguous()
+    per16 = 16 // x.element_size()
+    ok = x.stride(-1) == 1 and x.storage_offset() % per16 == 0 and all(st % per16 == 0 for st in x.stride()[:-1])
+    return x if ok else x.contiguous()
+
+
+def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,
+                      l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first):
+    q, k, v = _aligned16(q), _aligned16(k), _aligned16(v)
+    g = _aligned16(g) if g.dim() == 4 else _last_dim_contiguous(g)
+    beta = _last_dim_contiguous(beta)
+    o = torch.empty_like(v, memory_format=torch.contiguous_format)
+    A_log, dt_bias = _gate_params(p, A_log, dt_bias)
+    h0, ht = _states(p, initial_state, output_final_state, state_v_first, q.device)
+    run = _ext.chunk_fwd_op if torch.compiler.is_compiling() else _ext.chunk_fwd_eager
+    run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, o, p.scale, p.gate_mode,
+        float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid, allow_neg_eigval,
+        state_v_first, _ext.config.chunk_value_split)
     return o, ht
 
 
@@ -289,8 +335,13 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
     lb = lower_bound if use_gate_in_kernel else None
     reason = _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
     if reason is None:
-        # The token-by-token kernel computes the contract exactly (fp32 state); it serves prefill
-        # until a chunked kernel covers the case.
+        chunk_reason = _chunk_kernel_unsupported(p, q)
+        if chunk_reason is None:
+            return _run_chunk_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                                     output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                     allow_neg_eigval, lb, state_v_first)
+        # The token-by-token kernel computes the contract exactly (fp32 state) for the rest.
+        log.debug("flashkda: %s uses the recurrent kernel: %s", fn, chunk_reason)
         return _run_recurrent_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
                                      output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
                                      allow_neg_eigval, lb, state_v_first, None, None, None)

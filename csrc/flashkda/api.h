@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "chunk_params.h"
 #include "recurrent_params.h"
 
 namespace flashkda {
@@ -12,5 +13,14 @@ namespace flashkda {
 // Elem: element type of q, k, v and o (float, __nv_bfloat16 or __half). D: head dim (K == V).
 template <typename Elem, int D>
 cudaError_t run_recurrent(const RecurrentParams& params, cudaStream_t stream);
+
+// Chunked forward (prefill), K == V == chunk::kHeadDim. Launch order on one stream:
+// run_chunk_index (varlen only), run_chunk_prepare, run_chunk_recurrence. Elem: __nv_bfloat16 or
+// __half. kBlockV: value columns per block of chunk_recurrence (64 or 128).
+cudaError_t run_chunk_index(const ChunkParams& params, cudaStream_t stream);
+template <typename Elem>
+cudaError_t run_chunk_prepare(const ChunkParams& params, cudaStream_t stream);
+template <typename Elem, int kBlockV>
+cudaError_t run_chunk_recurrence(const ChunkParams& params, cudaStream_t stream);
 
 }  // namespace flashkda

@@ -18,45 +18,10 @@
 #include "constants.h"
 #include "recurrent_params.h"
 #include "static_switch.h"
+#include "token_math.cuh"
 
 namespace flashkda {
 namespace recurrent {
-
-// ---------------------------------------------------------------------------------------------
-// Element access
-// ---------------------------------------------------------------------------------------------
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x);
-template <>
-__device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
-
-// A tensor whose dtype is only known at run time (g, beta); the branch is uniform per launch.
-__device__ __forceinline__ float load_any(const void* p, DType dt, int64_t i) {
-  switch (dt) {
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_t i) {
-  return t == IndexType::kInt64 ? static_cast<const int64_t*>(p)[i]
-                                : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
-}
 
 // State tiles are streamed: read once, written once. The .cs (evict-first) loads and stores keep
 // them from displacing the small per-token vectors in the caches (3-19% faster on the H200, N = 1024-64).
@@ -87,29 +52,6 @@ __device__ __forceinline__ void store4_state(void* base, DType dt, int64_t i, co
     float4* ptr = reinterpret_cast<float4*>(static_cast<float*>(base) + i);
     __stcs(ptr, x);
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Per-token preprocessing (KDA_SPEC steps 3 and 4)
-// ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float sigmoidf_(float x) { return __frcp_rn(1.f + __expf(-x)); }
-
-__device__ __forceinline__ float softplusf_(float x) {
-  return x > kSoftplusThreshold ? x : log1pf(__expf(x));
-}
-
-// Natural-log decay of one channel; `a` is exp(A_log[hv]) (1 without A_log).
-__device__ __forceinline__ float log_decay(const RecurrentParams& p, float raw, float bias, float a) {
-  switch (p.gate_mode) {
-    case GateMode::kLowerBound: return p.lower_bound * sigmoidf_(a * (raw + bias));
-    case GateMode::kSoftplus: return -a * softplusf_(raw + bias);
-    default: return raw;
-  }
-}
-
-__device__ __forceinline__ float beta_value(const RecurrentParams& p, float raw) {
-  return p.beta_sigmoid ? p.beta_scale * sigmoidf_(raw) : raw;
 }
 
 // ---------------------------------------------------------------------------------------------

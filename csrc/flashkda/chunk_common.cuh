@@ -1,0 +1,71 @@
+// Where a chunk's tokens live, shared by chunk_index, chunk_prepare and chunk_recurrence.
+#pragma once
+
+#include <cstdint>
+
+#include "chunk_params.h"
+#include "token_math.cuh"
+
+namespace flashkda {
+namespace chunk {
+
+struct SeqSpan {
+  int64_t batch;  // batch row of the token tensors
+  int64_t bos;    // first token of the sequence within that row
+  int64_t len;    // tokens (clamped into [0, T - bos]: bad offsets never index memory)
+  int64_t first_slot;  // workspace chunk slot of its first chunk
+};
+
+__device__ __forceinline__ int64_t num_chunks(int64_t len) { return (len + kChunk - 1) / kChunk; }
+
+__device__ __forceinline__ SeqSpan sequence_span(const ChunkParams& p, int n) {
+  SeqSpan s;
+  if (p.cu_seqlens != nullptr) {
+    s.batch = 0;
+    int64_t bos = load_index(p.cu_seqlens, p.cu_type, n);
+    int64_t eos = load_index(p.cu_seqlens, p.cu_type, n + 1);
+    bos = bos < 0 ? 0 : (bos > p.T ? p.T : bos);
+    eos = eos < bos ? bos : (eos > p.T ? p.T : eos);
+    s.bos = bos;
+    s.len = eos - bos;
+    s.first_slot = p.chunk_offsets[n];
+  } else {
+    s.batch = n;
+    s.bos = 0;
+    s.len = p.T;
+    s.first_slot = int64_t(n) * p.chunks_per_seq;
+  }
+  return s;
+}
+
+// Chunk slot -> (sequence, chunk). Returns false for slots past the last chunk.
+struct ChunkSpan {
+  int64_t batch, bos;  // first token of the chunk
+  int len;             // valid tokens, 1..kChunk
+};
+
+__device__ __forceinline__ bool locate_chunk(const ChunkParams& p, int slot, ChunkSpan& c) {
+  int n = 0;
+  if (p.cu_seqlens != nullptr) {
+    if (slot >= p.chunk_offsets[p.N]) return false;
+    int lo = 0, hi = p.N;  // chunk_offsets[lo] <= slot < chunk_offsets[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (p.chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
+    }
+    n = lo;
+  } else {
+    n = slot / p.chunks_per_seq;
+  }
+  const SeqSpan s = sequence_span(p, n);
+  const int64_t j = slot - s.first_slot;
+  c.batch = s.batch;
+  c.bos = s.bos + j * kChunk;
+  const int64_t rest = s.len - j * kChunk;
+  if (rest <= 0) return false;
+  c.len = rest < kChunk ? int(rest) : kChunk;
+  return true;
+}
+
+}  // namespace chunk
+}  // namespace flashkda

@@ -1,0 +1,65 @@
+// chunk_index: chunk_offsets[n] = Σ_{m<n} ceil(len_m / kChunk) for varlen batches, on the device,
+// so that chunk_prepare can map its blocks to sequences without a host sync.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "chunk_common.cuh"
+#include "chunk_params.h"
+
+namespace flashkda {
+namespace chunk {
+
+constexpr int kIndexThreads = 1024;
+
+__global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkParams p) {
+  __shared__ int warp_total[kIndexThreads / 32];
+  __shared__ int carry;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) {
+    carry = 0;
+    p.chunk_offsets[0] = 0;
+  }
+  __syncthreads();
+  for (int base = 0; base < p.N; base += kIndexThreads) {
+    const int n = base + tid;
+    int x = 0;
+    if (n < p.N) {
+      int64_t bos = load_index(p.cu_seqlens, p.cu_type, n), eos = load_index(p.cu_seqlens, p.cu_type, n + 1);
+      bos = bos < 0 ? 0 : (bos > p.T ? p.T : bos);
+      eos = eos < bos ? bos : (eos > p.T ? p.T : eos);
+      x = int(num_chunks(eos - bos));
+    }
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, off);
+      if (lane >= off) x += y;
+    }
+    if (lane == 31) warp_total[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int t = warp_total[lane];
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, t, off);
+        if (lane >= off) t += y;
+      }
+      warp_total[lane] = t;  // inclusive
+    }
+    __syncthreads();
+    const int value = carry + x + (warp > 0 ? warp_total[warp - 1] : 0);
+    if (n < p.N) p.chunk_offsets[n + 1] = value;
+    __syncthreads();
+    if (tid == kIndexThreads - 1) carry = value;
+    __syncthreads();
+  }
+}
+
+}  // namespace chunk
+
+cudaError_t run_chunk_index(const ChunkParams& p, cudaStream_t stream) {
+  chunk::chunk_index_kernel<<<1, chunk::kIndexThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashkda

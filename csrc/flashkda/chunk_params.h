@@ -1,0 +1,55 @@
+// Parameters and workspace layout of the chunked forward (prefill): chunk_prepare (parallel over
+// chunks) writes a per-(chunk, value head) record; chunk_recurrence walks each sequence's chunks in
+// order, carrying the fp32 state. Framework-free; filled in csrc/binding.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "recurrent_params.h"
+
+namespace flashkda {
+namespace chunk {
+
+// Tokens per chunk of the state pass. Fixed by the register/shared-memory tiling of both kernels.
+constexpr int kChunk = 64;
+// Tokens per sub-chunk of the intra-chunk solve: one warp, one m16 MMA row block.
+constexpr int kSubChunk = 16;
+constexpr int kSubChunks = kChunk / kSubChunk;
+// Head dim of the chunked kernels (K == V); other sizes use the recurrent kernel or the reference.
+constexpr int kHeadDim = 128;
+
+// One workspace record per (chunk, value head), written by chunk_prepare, read by chunk_recurrence.
+// Matrices are row-major over the chunk's tokens c (padded tokens are zero rows and columns):
+//   w     [kChunk][kHeadDim] elem   T · (k ⊙ e^{Γ})          (Γ: log decay from the chunk start)
+//   qd    [kChunk][kHeadDim] elem   scale · q ⊙ e^{Γ}
+//   kd    [kChunk][kHeadDim] elem   k ⊙ e^{Γ_last − Γ}
+//   mqk   [kChunk][kChunk]   elem   tril((q ⊙ e^{Γ}) (k ⊙ e^{−Γ})ᵀ), formed pairwise
+//   tinv  [kChunk][kChunk]   elem   T = (I + A)⁻¹ diag(β),  A = strict_tril(diag(β) (k e^{Γ})(k e^{−Γ})ᵀ)
+//   decay [kHeadDim]         fp32   e^{Γ_last}
+// The chunk's output and state update are then  U = T v − w S,  O = qd S + mqk U,
+// S ← decay ⊙ S + kdᵀ U  (KDA_SPEC "Reading").
+struct WorkspaceLayout {
+  static constexpr int64_t kMatBytes = int64_t(kChunk) * kHeadDim * 2;
+  static constexpr int64_t kSqBytes = int64_t(kChunk) * kChunk * 2;
+  static constexpr int64_t kW = 0;
+  static constexpr int64_t kQd = kW + kMatBytes;
+  static constexpr int64_t kKd = kQd + kMatBytes;
+  static constexpr int64_t kMqk = kKd + kMatBytes;
+  static constexpr int64_t kTinv = kMqk + kSqBytes;
+  static constexpr int64_t kDecay = kTinv + kSqBytes;
+  static constexpr int64_t kRecordBytes = kDecay + kHeadDim * 4;
+};
+
+}  // namespace chunk
+
+struct ChunkParams : RecurrentParams {
+  // Workspace: records of WorkspaceLayout::kRecordBytes, record (chunk slot, hv) at
+  // (slot * HV + hv). Chunk slots of sequence n are chunk_offsets[n] ... chunk_offsets[n+1]-1.
+  void* workspace;            // [num_chunk_slots, HV, kRecordBytes] bytes
+  int32_t* chunk_offsets;     // [N + 1] device, varlen only (filled by the chunk_index kernel)
+  int32_t num_chunk_slots;    // upper bound on the total chunk count: grid size of chunk_prepare
+  int32_t chunks_per_seq;     // ceil(T / kChunk) without cu_seqlens
+  int32_t value_split;        // blocks per (sequence, head) in chunk_recurrence: kHeadDim / block V
+};
+
+}  // namespace flashkda

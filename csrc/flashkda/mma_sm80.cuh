@@ -1,0 +1,105 @@
+// Warp-level tensor-core and copy primitives of sm_80 (mma.sync m16n8k16, ldmatrix, cp.async),
+// which every later architecture also runs. Fragment layouts (g = lane / 4, t = lane % 4):
+//   A 16x16 row-major: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8  (k, n):    b0 (k = 2t..2t+1, n = g)           b1 (k = 2t+8.., n = g)
+//   C 16x8:            c0 c1 (g, 2t..2t+1)                c2 c3 (g+8, 2t..2t+1)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace flashkda {
+namespace sm80 {
+
+template <typename Elem>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte global -> shared copy; with valid == false the destination is zero-filled.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid = true) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <typename Elem>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Negates both halves of a packed pair (sign bits; exact for bf16 and fp16).
+__device__ __forceinline__ uint32_t neg2(uint32_t x) { return x ^ 0x80008000u; }
+
+// Shared-memory tiles of b16 elements with rows of kRowChunks 16-byte chunks. The chunk index is
+// XOR-swizzled with the row so that the eight row addresses of one ldmatrix (same column, eight
+// consecutive rows) fall in eight different bank groups.
+template <int kRowChunks>
+struct SwizzledTile {
+  static_assert(kRowChunks == 4 || kRowChunks == 8 || kRowChunks == 16, "rows of 64, 128 or 256 bytes");
+  static constexpr int kRowBytes = kRowChunks * 16;
+  __device__ __forceinline__ static uint32_t chunk_offset(int row, int chunk) {
+    const int sw = kRowChunks == 4 ? ((row >> 1) & 3) : (row & 7);
+    return uint32_t(row * kRowBytes + ((chunk ^ sw) * 16));
+  }
+  // Byte offset of element (row, col), col in b16 elements.
+  __device__ __forceinline__ static uint32_t offset(int row, int col) {
+    return chunk_offset(row, col >> 3) + uint32_t((col & 7) * 2);
+  }
+};
+
+}  // namespace sm80
+}  // namespace flashkda

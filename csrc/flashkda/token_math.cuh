@@ -1,0 +1,75 @@
+// Element access and per-token preprocessing shared by the recurrent and chunked kernels
+// (KDA_SPEC "Per-token preprocessing"). Device-only, framework-free.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "constants.h"
+#include "recurrent_params.h"
+
+namespace flashkda {
+
+// ---------------------------------------------------------------------------------------------
+// Element access
+// ---------------------------------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half(x); }
+
+// A tensor whose dtype is only known at run time (g, beta); the branch is uniform per launch.
+__device__ __forceinline__ float load_any(const void* p, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_t i) {
+  return t == IndexType::kInt64 ? static_cast<const int64_t*>(p)[i]
+                                : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-token preprocessing (KDA_SPEC steps 3 and 4)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float sigmoidf_(float x) { return __frcp_rn(1.f + __expf(-x)); }
+
+__device__ __forceinline__ float softplusf_(float x) {
+  return x > kSoftplusThreshold ? x : log1pf(__expf(x));
+}
+
+// Natural-log decay of one channel; `a` is exp(A_log[hv]) (1 without A_log).
+__device__ __forceinline__ float log_decay(const RecurrentParams& p, float raw, float bias, float a) {
+  switch (p.gate_mode) {
+    case GateMode::kLowerBound: return p.lower_bound * sigmoidf_(a * (raw + bias));
+    case GateMode::kSoftplus: return -a * softplusf_(raw + bias);
+    default: return raw;
+  }
+}
+
+__device__ __forceinline__ float beta_value(const RecurrentParams& p, float raw) {
+  return p.beta_sigmoid ? p.beta_scale * sigmoidf_(raw) : raw;
+}
+
+}  // namespace flashkda
