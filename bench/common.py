@@ -12,6 +12,9 @@ import torch
 COPY_BANDWIDTH = 4.3e12
 
 RESULTS: List[dict] = []
+#: When set (bench/conftest.py: --flashkda-results), every record rewrites this JSON file at once, so
+#: a run cut short by a time limit keeps what it measured.
+RESULTS_PATH = None
 
 
 def cuda_median_ms(fn: Callable[[], object], warmup: int = 5, rounds: int = 2, calls: int = 50,
@@ -69,4 +72,9 @@ def record(case: str, impl: str, median_ms: float, floor: float, **extra) -> dic
     rec = dict(case=case, impl=impl, median_ms=round(median_ms, 5), floor_ms=round(floor, 5),
                date=datetime.date.today().isoformat(), **extra)
     RESULTS.append(rec)
+    if RESULTS_PATH:
+        import json
+
+        with open(RESULTS_PATH, "w") as f:
+            f.write(json.dumps(RESULTS, indent=1) + "\n")
     return rec

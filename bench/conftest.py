@@ -1,5 +1,5 @@
 """Benchmarks run on a CUDA device only; the records collected in common.RESULTS are written to
-the JSON file named by --flashkda-results at the end of the session."""
+the JSON file named by --flashkda-results after every record and at the end of the session."""
 
 import json
 import sys
@@ -19,6 +19,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "sweep: time-against-T sweep for the plot (bench/report.py --plot)")
+    common.RESULTS_PATH = config.getoption("--flashkda-results", default=None)
 
 
 def pytest_collection_modifyitems(config, items):

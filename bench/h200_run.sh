@@ -5,7 +5,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
-what=${1:-all}   # all | tests | bench | quick (TESTS, then bench/prefill_quick.py)
+# all | tests | bench | quick (TESTS, then bench/prefill_quick.py) | prefill (issue rows with the FLA
+# baselines, no sweep). FLA's Triton kernels compile on first use (minutes): budget for it.
+what=${1:-all}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -23,7 +25,13 @@ fi
 if [[ $what == quick ]]; then
   python3 -m pytest -q ${TESTS:-tests/test_cuda_chunk.py} -m "not slow" --tb=line -p no:cacheprovider 2>&1 \
     | grep -v DEBUG | tail -25 || rc=1
-  PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/prefill_quick.py ${QUICK_ARGS:-} 2>&1 | grep -v -i warn || rc=1
+  PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/prefill_quick.py --json "$OUT/quick.json" ${QUICK_ARGS:-} \
+    2>&1 | grep -v -i warn || rc=1
+fi
+if [[ $what == prefill ]]; then
+  FLASHKDA_FLA_BACKEND=0 python3 -m pytest -q bench/test_prefill.py -m "not sweep" -p no:cacheprovider \
+    --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -3
+  python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" || rc=1
 fi
 if [[ $what == all || $what == bench ]]; then
   # FLASHKDA_FLA_BACKEND=0: the FLA baselines must run FLA itself, not flashkda registered inside it.

@@ -2,6 +2,10 @@
 each value split, with the per-kernel split of the time (torch.profiler). Prints a table.
 
     PYTHONPATH=.:bench python bench/prefill_quick.py [--rows fixed_8k_H96,...] [--no-accuracy]
+        [--splits 0,1,2] [--json out.json]
+
+Records (impl flashkda, flashkda_softplus, flashkda_gdn for the automatic value split; flashkda_split1
+/ flashkda_split2 for forced splits) use the timing and floor of bench/test_prefill.py.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import torch
 
 import flashkda
 from flashkda import _ext
-from common import cuda_median_ms
+import common
+from common import cuda_median_ms, record
 from test_prefill import KDA_FLAGS, ROWS, _floor, _gdn_inputs, _inputs
 
 
@@ -65,7 +70,9 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--splits", default="0,1,2")
+    ap.add_argument("--json", help="write the records here (rewritten after each one)")
     args = ap.parse_args()
+    common.RESULTS_PATH = args.json
     if not args.no_accuracy:
         accuracy()
     print(f"{'case':22s} {'impl':18s} {'ms':>8s} {'floor':>7s}  kernels (ms)")
@@ -86,6 +93,9 @@ def main() -> None:
                         fn = lambda: flashkda.chunk_gated_delta_rule(**gk)  # noqa: E731
                     ms = cuda_median_ms(fn, calls=20)
                     kt = kernel_times(fn)
+                    name = {"lb": "flashkda", "softplus": "flashkda_softplus", "gdn": "flashkda_gdn"}[impl]
+                    record(case, name if split == 0 else f"{name}_split{split}", ms,
+                           _floor(lens, H, gdn=impl == "gdn"), **{f"{k}_ms": round(v, 4) for k, v in kt.items()})
                     ks = " ".join(f"{k}={v:.3f}" for k, v in sorted(kt.items()))
                     print(f"{case:22s} {impl + '/split' + str(split):18s} {ms:8.3f} {_floor(lens, H):7.3f}  {ks}",
                           flush=True)

@@ -1,5 +1,5 @@
 // chunk_prepare: everything about one chunk that does not depend on the recurrent state, for all
-// chunks and value heads in parallel (one block of four warps per (chunk, value head)). It writes
+// chunks and value heads in parallel (one block of eight warps per (chunk, value head)). It writes
 // the workspace record described in chunk_params.h; chunk_recurrence then only multiplies.
 //
 // Decay without overflow (KDA_SPEC "Reading"). Inside a chunk the pairwise factor e^{Γi−Γj}
@@ -9,8 +9,8 @@
 // operands are  row_i = x̂_i e^{γi − h_a},  col_j = k̂_j e^{h_b − γj}: within a sub-chunk their
 // product is exactly e^{γi−γj} with both factors in [e^{τ/2}, e^{−τ/2}]; for j in an earlier
 // sub-chunk b the row takes the per-channel factor e^{h_a + τ_{b+1}+…+τ_{a−1} + τ_b − h_b} ≤ 1,
-// so the off-diagonal blocks are exact for any gate. The pivot keeps every factor within e^{±64}
-// while the sub-chunk's decay |τ| ≤ kMaxSubchunkLogSpan = 128 (always for the lower-bound gate,
+// so the off-diagonal blocks are exact for any gate. The pivot keeps every factor within e^{±40}
+// while the sub-chunk's decay |τ| ≤ kMaxSubchunkLogSpan (always for the lower-bound gate,
 // 16 · 5 = 80). A channel that decays more (softplus or precomputed gates with strong decay,
 // −1e4 masks) uses h_a = 0 on the row side and h_a = τ_a on the column side, which keeps the
 // off-diagonal blocks exact, and its sub-chunk's diagonal block takes an exact path that builds
@@ -33,10 +33,12 @@
 namespace flashkda {
 namespace chunk {
 
-constexpr int kPrepareThreads = 32 * kSubChunks;  // warp a owns sub-chunk a
-// Largest total log decay |τ| of a sub-chunk for which its diagonal block comes from the MMA: the
-// operands then stay within e^{±64}, inside the normal range of fp32 and bf16 (e^{±87}).
-constexpr float kMaxSubchunkLogSpan = 128.f;
+constexpr int kPrepareThreads = 256;
+// Largest total log decay |τ| of a sub-chunk for which its diagonal block comes from the MMA. The
+// operands stay within e^{±40} and every entry of the block's product, including the masked
+// upper triangle (up to e^{|τ|}), stays finite in fp32 (e^{88.7}). 80.5 covers the lower-bound
+// gate (at most 16 · 5 = 80).
+constexpr float kMaxSubchunkLogSpan = 80.5f;
 // Operand type of the A / M products (see above).
 using OpElem = __nv_bfloat16;
 // fp32 tiles are padded by 4 words per row so that fragment loads spread over the banks.
@@ -61,6 +63,7 @@ struct PrepareSmem {
   int wide[kSubChunks];
 };
 static_assert(sizeof(float) * kChunk * kF32Stride >= kChunk * kHeadDim * 4, "raw fp32 gate fits in qi");
+static_assert(kSubChunks == 4, "the wide-block check and the phase-3 job list assume four sub-chunks");
 // Aliases, valid after the A / M products:
 //   qi: amat (f32 [kChunk][kSqStride]) then tinv_s (SqTile)
 //   ki: linv (f32 [kChunk][kSqStride]) then mqk_s (SqTile)
@@ -72,6 +75,13 @@ static_assert(kAliasSqF32Bytes % 16 == 0, "b16 tile after the fp32 matrix stays 
 template <typename Elem>
 __device__ __forceinline__ void store_elem(uint8_t* base, uint32_t off, float x) {
   *reinterpret_cast<Elem*>(base + off) = from_float<Elem>(x);
+}
+
+// Eight floats as eight b16 elements (one 16-byte store).
+template <typename Elem>
+__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
+  return make_uint4(sm80::pack2<Elem>(x[0], x[1]), sm80::pack2<Elem>(x[2], x[3]), sm80::pack2<Elem>(x[4], x[5]),
+                    sm80::pack2<Elem>(x[6], x[7]));
 }
 
 // Exact diagonal block of sub-chunk a (one warp): A and M entries from products of per-token
@@ -132,8 +142,20 @@ __device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, i
   }
 }
 
+// Phase 3 work list: the ten blocks (a, b), b <= a, of A and of M, spread over four warps each
+// (warps 0-3: A, warps 4-7: M) so that every warp runs two or three blocks.
+constexpr int kBlockJobs = 3;
+__device__ __forceinline__ void block_job(int w, int slot, int& a, int& b) {
+  // One byte per job, (a << 4) | b, 0xff for none.
+  // w = 0: (3,0) (3,1) (0,0)   w = 1: (3,2) (3,3) (1,1)   w = 2: (2,0) (2,1) -   w = 3: (2,2) (1,0) -
+  const uint32_t jobs = w == 0 ? 0x003130u : w == 1 ? 0x113332u : w == 2 ? 0xff2120u : 0xff1022u;
+  const uint32_t job = (jobs >> (8 * slot)) & 0xffu;
+  a = job == 0xffu ? -1 : int(job >> 4);
+  b = int(job & 0xfu);
+}
+
 template <typename Elem>
-__global__ void __launch_bounds__(kPrepareThreads) chunk_prepare_kernel(const ChunkParams p) {
+__global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const ChunkParams p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);
   const int slot = blockIdx.x, hv = blockIdx.y;
@@ -186,9 +208,10 @@ __global__ void __launch_bounds__(kPrepareThreads) chunk_prepare_kernel(const Ch
   }
   __syncthreads();
 
-  // ---- Phase 1: per-token l2 norms (warp a: tokens of sub-chunk a) ----------------------------
-  for (int i = 0; i < kSubChunk; ++i) {
-    const int t = warp * kSubChunk + i;
+  // ---- Phase 1: per-token l2 norms (warp w: tokens 8w .. 8w+7) --------------------------------
+  constexpr int kNormTokens = kChunk / (kPrepareThreads / 32);
+  for (int i = 0; i < kNormTokens; ++i) {
+    const int t = warp * kNormTokens + i;
     float sq = 0.f, sk = 0.f;
     if (p.l2norm) {
       const uint32_t off = MatTile::offset(t, 4 * lane);
@@ -212,125 +235,226 @@ __global__ void __launch_bounds__(kPrepareThreads) chunk_prepare_kernel(const Ch
       s.kscale[t] = !valid ? 0.f : (p.l2norm ? rsqrtf(sk + kL2NormEps) : 1.f);
     }
   }
-  __syncthreads();
 
-  // ---- Phase 2: gate, decays and the decayed operands (thread d owns channel d) ---------------
+  // ---- Phase 2: gate, decays and the decayed operands -----------------------------------------
+  // Thread (cg, ts) owns channels 8cg .. 8cg+7 of tokens 4ts .. 4ts+3 (sub-chunk ts / 4), so that
+  // every shared and global access moves 16 bytes.
+  constexpr int kSliceTokens = 4, kGroups = kHeadDim / 8;
+  const int cg = tid % kGroups, ts = tid / kGroups, d0 = 8 * cg, sub = ts / (kSubChunk / kSliceTokens);
+  float* part = s.ki;  // [kChunk / kSliceTokens][kHeadDim] slice totals of the log decay
+  // Log decays of the slice. Every exponent below is a direct sum of them (prefixes and suffixes),
+  // never a difference of long cumulative sums: with −1e4 masks those lose the small terms.
+  float gl[kSliceTokens][8];
   {
-    const int d = tid;
     const float A = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
-    const float bias = p.dt_bias == nullptr ? 0.f : p.dt_bias[p.scalar_gate ? hv : hv * kHeadDim + d];
-    float gl[kChunk];
+    float bias[8];
 #pragma unroll
-    for (int t = 0; t < kChunk; ++t) {
-      float raw;
-      if (p.scalar_gate) raw = s.gate_scalar[t];
-      else if (g_size == 4) raw = s.qi[t * kHeadDim + d];
-      else raw = load_any(s.qi, p.g_dtype, t * kHeadDim + d);
-      gl[t] = t < c.len ? log_decay(p, raw, bias, A) : 0.f;
-    }
-    __syncthreads();  // the raw gate in qi is dead: qi / ki are written below
-    float tau[kSubChunks];
+    for (int e = 0; e < 8; ++e)
+      bias[e] = p.dt_bias == nullptr ? 0.f : p.dt_bias[p.scalar_gate ? hv : hv * kHeadDim + d0 + e];
 #pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) {
-      float acc = 0.f;
+    for (int i = 0; i < kSliceTokens; ++i) {
+      const int t = kSliceTokens * ts + i;
+      float raw[8];
+      if (p.scalar_gate) {
 #pragma unroll
-      for (int i = 0; i < kSubChunk; ++i) acc += gl[a * kSubChunk + i];
-      tau[a] = acc;
-    }
-    float total = 0.f;
+        for (int e = 0; e < 8; ++e) raw[e] = s.gate_scalar[t];
+      } else if (g_size == 4) {
+        const float4 lo = *reinterpret_cast<const float4*>(&s.qi[t * kHeadDim + d0]);
+        const float4 hi = *reinterpret_cast<const float4*>(&s.qi[t * kHeadDim + d0 + 4]);
+        raw[0] = lo.x, raw[1] = lo.y, raw[2] = lo.z, raw[3] = lo.w, raw[4] = hi.x, raw[5] = hi.y, raw[6] = hi.z, raw[7] = hi.w;
+      } else {
+        const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(s.qi) + (t * kHeadDim + d0) * 2);
+        const uint16_t* hbits = reinterpret_cast<const uint16_t*>(&v);
 #pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) total += tau[a];
-    reinterpret_cast<float*>(rec + WorkspaceLayout::kDecay)[d] = __expf(total);
-    // Pivots: row side h, column side hc (equal unless the channel's sub-chunk is wide).
-    float h_row[kSubChunks], h_col[kSubChunks];
+        for (int e = 0; e < 8; ++e) raw[e] = load_any(hbits, p.g_dtype, e);
+      }
 #pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) {
-      const bool small = -tau[a] <= kMaxSubchunkLogSpan;
-      h_row[a] = small ? 0.5f * tau[a] : 0.f;
-      h_col[a] = small ? 0.5f * tau[a] : tau[a];
-      s.fac[a][d] = small ? 1.f : 0.f;
-#pragma unroll
-      for (int b = 0; b < a; ++b) {
-        float between = 0.f;
-#pragma unroll
-        for (int m = b + 1; m < a; ++m) between += tau[m];
-        s.fac[kSubChunks + pair_index(a, b)][d] = __expf(h_row[a] + between + tau[b] - h_col[b]);
+      for (int e = 0; e < 8; ++e) {
+        gl[i][e] = t < c.len ? log_decay(p, raw[e], bias[e], A) : 0.f;
       }
     }
-
-    Elem* qd_out = reinterpret_cast<Elem*>(rec + WorkspaceLayout::kQd);
-    Elem* kd_out = reinterpret_cast<Elem*>(rec + WorkspaceLayout::kKd);
-    float before = 0.f;  // Γ at the start of sub-chunk a
+  }
+  __syncthreads();  // raw gate (qi) consumed; part (ki) is free
+  {
+    float4* dst = reinterpret_cast<float4*>(&part[ts * kHeadDim + d0]);
+    float tot[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) tot[e] = gl[0][e] + gl[1][e] + gl[2][e] + gl[3][e];
+    dst[0] = make_float4(tot[0], tot[1], tot[2], tot[3]);
+    dst[1] = make_float4(tot[4], tot[5], tot[6], tot[7]);
+  }
+  __syncthreads();
+  // Per channel: sub-chunk totals τ, this slice's offset within its sub-chunk, pivots, factors.
+  float tau[kSubChunks][8], off[8], later[8];  // off / later: earlier / later slices of this sub-chunk
+#pragma unroll
+  for (int e = 0; e < 8; ++e) off[e] = later[e] = 0.f;
+#pragma unroll
+  for (int a = 0; a < kSubChunks; ++a)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) tau[a][e] = 0.f;
+#pragma unroll
+  for (int sl = 0; sl < kChunk / kSliceTokens; ++sl) {
+    const float4 lo = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0]);
+    const float4 hi = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0 + 4]);
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const int a = sl / (kSubChunk / kSliceTokens);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      tau[a][e] += v[e];
+      if (a == sub && sl < ts) off[e] += v[e];
+      if (a == sub && sl > ts) later[e] += v[e];
+    }
+  }
+  // Pivots: row side h_row, column side h_col (equal unless the channel's sub-chunk is wide).
+  auto small = [&](int a, int e) { return -tau[a][e] <= kMaxSubchunkLogSpan; };
+  auto h_row = [&](int a, int e) { return small(a, e) ? 0.5f * tau[a][e] : 0.f; };
+  auto h_col = [&](int a, int e) { return small(a, e) ? 0.5f * tau[a][e] : tau[a][e]; };
+  // Factor rows: ts < kSubChunks writes the diagonal row ts, the next kPairs slices one pair each.
+  if (ts < kSubChunks + kPairs) {
+    float f[8];
+    if (ts < kSubChunks) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        f[e] = 0.f;
+#pragma unroll
+        for (int a = 0; a < kSubChunks; ++a)
+          if (a == ts) f[e] = small(a, e) ? 1.f : 0.f;
+      }
+    } else {
+      int a = 1, b = ts - kSubChunks;  // pair_index(a, b) = ts - kSubChunks
+      while (b >= a) b -= a++;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float between = 0.f, ha = 0.f, tb = 0.f, hb = 0.f;
+#pragma unroll
+        for (int m = 0; m < kSubChunks; ++m) {
+          if (m > b && m < a) between += tau[m][e];
+          if (m == a) ha = h_row(m, e);
+          if (m == b) tb = tau[m][e], hb = h_col(m, e);
+        }
+        f[e] = __expf(ha + between + (tb - hb));
+      }
+    }
+    float4* dst = reinterpret_cast<float4*>(&s.fac[ts][d0]);
+    dst[0] = make_float4(f[0], f[1], f[2], f[3]);
+    dst[1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+  float before[8], after[8], total[8];  // sub-chunks before / after this one, all
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    before[e] = after[e] = total[e] = 0.f;
 #pragma unroll
     for (int a = 0; a < kSubChunks; ++a) {
-      const float up_row = __expf(before + h_row[a]);           // e^{γ−h} -> e^{Γ}
-      const float to_end = __expf(total - before - h_col[a]);   // e^{h−γ} -> e^{Γ_last − Γ}
-      float gam = 0.f;
+      if (a < sub) before[e] += tau[a][e];
+      if (a > sub) after[e] += tau[a][e];
+      total[e] += tau[a][e];
+    }
+  }
+  if (ts == 0) {
+    float4* dst = reinterpret_cast<float4*>(rec + WorkspaceLayout::kDecay + d0 * 4);
+    dst[0] = make_float4(__expf(total[0]), __expf(total[1]), __expf(total[2]), __expf(total[3]));
+    dst[1] = make_float4(__expf(total[4]), __expf(total[5]), __expf(total[6]), __expf(total[7]));
+  }
 #pragma unroll
-      for (int i = 0; i < kSubChunk; ++i) {
-        const int t = a * kSubChunk + i;
-        gam += gl[t];
-        const uint32_t off = MatTile::offset(t, d);
-        const float qh = to_float(*reinterpret_cast<const Elem*>(s.kj + off)) * s.qscale[t];
-        const float kh = to_float(*reinterpret_cast<const Elem*>(s.kt + off)) * s.kscale[t];
-        const float x = __expf(gam - h_row[a]);   // e^{γ − h}
-        const float y = __expf(h_col[a] - gam);   // e^{h − γ}
-        s.qi[t * kF32Stride + d] = qh * x;
-        s.ki[t * kF32Stride + d] = kh * x;
-        store_elem<OpElem>(s.kj, off, kh * y);
-        store_elem<Elem>(s.kt, off, kh * x * up_row);
-        qd_out[t * kHeadDim + d] = from_float<Elem>(qh * x * up_row);
-        kd_out[t * kHeadDim + d] = from_float<Elem>(kh * y * to_end);
-      }
-      before += tau[a];
+  for (int a = 0; a < kSubChunks; ++a) {
+    bool any_wide = false;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) any_wide |= !small(a, e);
+    const int w = __syncthreads_or(any_wide);  // also: every read of part is done
+    if (tid == 0) s.wide[a] = w;
+  }
+  {
+    // Pivot of this sub-chunk, and whether the channel is narrow (pivot τ/2) or wide (0 / τ).
+    float half_tau[8], up_row[8], to_end[8];
+    bool narrow[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+#pragma unroll
+      for (int a = 0; a < kSubChunks; ++a)
+        if (a == sub) narrow[e] = small(a, e), half_tau[e] = 0.5f * tau[a][e];
+      up_row[e] = __expf(before[e] + (narrow[e] ? half_tau[e] : 0.f));  // e^{γ−h} -> e^{Γ}
+      to_end[e] = __expf(after[e] + (narrow[e] ? half_tau[e] : 0.f));   // e^{h−γ} -> e^{Γ_last − Γ}
     }
 #pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) {
-      const int any_wide = __syncthreads_or(-tau[a] > kMaxSubchunkLogSpan);
-      if (tid == 0) s.wide[a] = any_wide;
+    for (int i = 0; i < kSliceTokens; ++i) {
+      const int t = kSliceTokens * ts + i;
+      const uint32_t moff = MatTile::chunk_offset(t, cg);
+      const uint4 rq = *reinterpret_cast<const uint4*>(s.kj + moff);
+      const uint4 rk = *reinterpret_cast<const uint4*>(s.kt + moff);
+      const Elem* xq = reinterpret_cast<const Elem*>(&rq);
+      const Elem* xk = reinterpret_cast<const Elem*>(&rk);
+      const float qs = s.qscale[t], ks = s.kscale[t];
+      float vqi[8], vki[8], vkj[8], vkt[8], vqd[8], vkd[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float pre = off[e], suf = later[e];  // γ (inclusive prefix) and τ − γ (suffix)
+#pragma unroll
+        for (int i2 = 0; i2 < kSliceTokens; ++i2) {
+          if (i2 <= i) pre += gl[i2][e];
+          else suf += gl[i2][e];
+        }
+        const float qh = to_float(xq[e]) * qs, kh = to_float(xk[e]) * ks;
+        const float x = __expf(narrow[e] ? pre - half_tau[e] : pre);  // e^{γ − h}
+        const float y = __expf(narrow[e] ? suf - half_tau[e] : suf);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
+        vqi[e] = qh * x;
+        vki[e] = kh * x;
+        vkj[e] = kh * y;
+        vkt[e] = vki[e] * up_row[e];
+        vqd[e] = vqi[e] * up_row[e];
+        vkd[e] = vkj[e] * to_end[e];
+      }
+      float4* qrow = reinterpret_cast<float4*>(&s.qi[t * kF32Stride + d0]);
+      float4* krow = reinterpret_cast<float4*>(&s.ki[t * kF32Stride + d0]);
+      qrow[0] = make_float4(vqi[0], vqi[1], vqi[2], vqi[3]);
+      qrow[1] = make_float4(vqi[4], vqi[5], vqi[6], vqi[7]);
+      krow[0] = make_float4(vki[0], vki[1], vki[2], vki[3]);
+      krow[1] = make_float4(vki[4], vki[5], vki[6], vki[7]);
+      *reinterpret_cast<uint4*>(s.kj + moff) = pack8<OpElem>(vkj);
+      *reinterpret_cast<uint4*>(s.kt + moff) = pack8<Elem>(vkt);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + (t * kHeadDim + d0) * 2) = pack8<Elem>(vqd);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kKd + (t * kHeadDim + d0) * 2) = pack8<Elem>(vkd);
     }
   }
   __syncthreads();
 
   // ---- Phase 3: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
-  float acc_a[kSubChunks][2][4], acc_m[kSubChunks][2][4];
+  const bool is_m = warp >= kSubChunks;
+  const int wq = warp % kSubChunks;
+  float acc[kBlockJobs][2][4];
 #pragma unroll
-  for (int b = 0; b < kSubChunks; ++b)
+  for (int j = 0; j < kBlockJobs; ++j)
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_a[b][n][e] = acc_m[b][n][e] = 0.f;
+      for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
   {
-    const int a = warp;
-    const int r0 = a * kSubChunk + g8, r1 = r0 + 8;
+    const float* rows = is_m ? s.qi : s.ki;
     const uint32_t kj_base = sm80::smem_u32(s.kj);
 #pragma unroll
-    for (int b = 0; b < kSubChunks; ++b) {
-      if (b > a || (b == a && s.wide[a])) continue;
+    for (int j = 0; j < kBlockJobs; ++j) {
+      int a, b;
+      block_job(wq, j, a, b);
+      if (a < 0 || (b == a && s.wide[a])) continue;
       const float* f = s.fac[b == a ? a : kSubChunks + pair_index(a, b)];
+      const int r0 = a * kSubChunk + g8, r1 = r0 + 8;
 #pragma unroll
       for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-        const int d0 = 16 * kd + 2 * t4;
-        const float f0 = f[d0], f1 = f[d0 + 1], f2 = f[d0 + 8], f3 = f[d0 + 9];
-        const float2 k00 = *reinterpret_cast<const float2*>(&s.ki[r0 * kF32Stride + d0]);
-        const float2 k10 = *reinterpret_cast<const float2*>(&s.ki[r1 * kF32Stride + d0]);
-        const float2 k01 = *reinterpret_cast<const float2*>(&s.ki[r0 * kF32Stride + d0 + 8]);
-        const float2 k11 = *reinterpret_cast<const float2*>(&s.ki[r1 * kF32Stride + d0 + 8]);
-        const float2 q00 = *reinterpret_cast<const float2*>(&s.qi[r0 * kF32Stride + d0]);
-        const float2 q10 = *reinterpret_cast<const float2*>(&s.qi[r1 * kF32Stride + d0]);
-        const float2 q01 = *reinterpret_cast<const float2*>(&s.qi[r0 * kF32Stride + d0 + 8]);
-        const float2 q11 = *reinterpret_cast<const float2*>(&s.qi[r1 * kF32Stride + d0 + 8]);
-        const uint32_t ak[4] = {sm80::pack2<OpElem>(k00.x * f0, k00.y * f1), sm80::pack2<OpElem>(k10.x * f0, k10.y * f1),
-                                sm80::pack2<OpElem>(k01.x * f2, k01.y * f3), sm80::pack2<OpElem>(k11.x * f2, k11.y * f3)};
-        const uint32_t aq[4] = {sm80::pack2<OpElem>(q00.x * f0, q00.y * f1), sm80::pack2<OpElem>(q10.x * f0, q10.y * f1),
-                                sm80::pack2<OpElem>(q01.x * f2, q01.y * f3), sm80::pack2<OpElem>(q11.x * f2, q11.y * f3)};
+        const int dd = 16 * kd + 2 * t4;
+        const float2 f01 = *reinterpret_cast<const float2*>(&f[dd]);
+        const float2 f23 = *reinterpret_cast<const float2*>(&f[dd + 8]);
+        const float2 x00 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd]);
+        const float2 x10 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd]);
+        const float2 x01 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd + 8]);
+        const float2 x11 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd + 8]);
+        const uint32_t af[4] = {sm80::pack2<OpElem>(x00.x * f01.x, x00.y * f01.y),
+                                sm80::pack2<OpElem>(x10.x * f01.x, x10.y * f01.y),
+                                sm80::pack2<OpElem>(x01.x * f23.x, x01.y * f23.y),
+                                sm80::pack2<OpElem>(x11.x * f23.x, x11.y * f23.y)};
         uint32_t bf[4];
         sm80::ldmatrix_x4(bf, kj_base + MatTile::chunk_offset(b * kSubChunk + (lane & 7) + (lane >> 4) * 8,
                                                               2 * kd + ((lane >> 3) & 1)));
-        sm80::mma_16816<OpElem>(acc_a[b][0], ak, bf[0], bf[1]);
-        sm80::mma_16816<OpElem>(acc_a[b][1], ak, bf[2], bf[3]);
-        sm80::mma_16816<OpElem>(acc_m[b][0], aq, bf[0], bf[1]);
-        sm80::mma_16816<OpElem>(acc_m[b][1], aq, bf[2], bf[3]);
+        sm80::mma_16816<OpElem>(acc[j][0], af, bf[0], bf[1]);
+        sm80::mma_16816<OpElem>(acc[j][1], af, bf[2], bf[3]);
       }
     }
   }
@@ -342,55 +466,71 @@ __global__ void __launch_bounds__(kPrepareThreads) chunk_prepare_kernel(const Ch
   uint8_t* mqk_s = reinterpret_cast<uint8_t*>(s.ki) + kAliasSqF32Bytes;
   float* tmp = reinterpret_cast<float*>(s.kj);
   uint8_t* w_s = s.kj;
-  {
-    const int a = warp;
-#pragma unroll
-    for (int b = 0; b < kSubChunks; ++b)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = a * kSubChunk + g8 + 8 * (e >> 1);
-          const int j = b * kSubChunk + 8 * n + 2 * t4 + (e & 1);
-          amat[i * kSqStride + j] = (b <= a && j < i) ? acc_a[b][n][e] * s.beta[i] : 0.f;
-          store_elem<Elem>(mqk_s, SqTile::offset(i, j), (b <= a && j <= i) ? acc_m[b][n][e] : 0.f);
-        }
-    if (s.wide[a]) {
-      __syncwarp();
-      exact_diagonal_block<Elem>(p, c, hv, h, a, s, amat, mqk_s);
+  // Upper blocks are zero; then each job writes its block (A masked strictly, M with the diagonal).
+  for (int e = tid; e < kChunk * kChunk; e += kPrepareThreads) {
+    const int i = e / kChunk, j = e % kChunk;
+    if (j / kSubChunk > i / kSubChunk) {
+      amat[i * kSqStride + j] = 0.f;
+      store_elem<Elem>(mqk_s, SqTile::offset(i, j), 0.f);
     }
   }
+#pragma unroll
+  for (int jb = 0; jb < kBlockJobs; ++jb) {
+    int a, b;
+    block_job(wq, jb, a, b);
+    if (a < 0) continue;
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = a * kSubChunk + g8 + 8 * (e >> 1);
+        const int j = b * kSubChunk + 8 * n + 2 * t4 + (e & 1);
+        if (is_m) store_elem<Elem>(mqk_s, SqTile::offset(i, j), j <= i ? acc[jb][n][e] : 0.f);
+        else amat[i * kSqStride + j] = j < i ? acc[jb][n][e] * s.beta[i] : 0.f;
+      }
+  }
   __syncthreads();
+  if (s.wide[0] | s.wide[1] | s.wide[2] | s.wide[3]) {  // rare (block-uniform): exact diagonal blocks
+    if (warp < kSubChunks && s.wide[warp]) exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_s);
+    __syncthreads();
+  }
 
   // ---- Phase 4: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
-  if (lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹ by forward substitution
+  if (warp < kSubChunks && lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
     const int a = warp, j = lane, base = a * kSubChunk;
     float x[kSubChunk];
 #pragma unroll
     for (int i = 0; i < kSubChunk; ++i) {
-      float acc = i == j ? 1.f : 0.f;
+      float accv = i == j ? 1.f : 0.f;
 #pragma unroll
-      for (int l = 0; l < i; ++l) acc -= amat[(base + i) * kSqStride + base + l] * x[l];
-      x[i] = acc;
-      linv[(base + i) * kSqStride + base + j] = acc;
+      for (int l = 0; l < i; ++l) accv -= amat[(base + i) * kSqStride + base + l] * x[l];
+      x[i] = accv;
+      linv[(base + i) * kSqStride + base + j] = accv;
     }
   }
   __syncthreads();
   for (int a = 1; a < kSubChunks; ++a) {  // off-diagonal blocks of row block a
     const int cols = a * kSubChunk, base = a * kSubChunk;
+    // tmp = A[a, :a] · L[:a, :a]  (L is block lower triangular; its diagonal blocks are full 16x16
+    // tiles with zeros above the diagonal, so every inner loop runs 16 unrolled steps)
     for (int e = tid; e < kSubChunk * cols; e += kPrepareThreads) {
       const int i = e / cols, j = e % cols;
-      float acc = 0.f;
-      for (int l = (j / kSubChunk) * kSubChunk; l < base; ++l)
-        acc += amat[(base + i) * kSqStride + l] * linv[l * kSqStride + j];
-      tmp[i * kChunk + j] = acc;
+      float accv = 0.f;
+      for (int cb = j / kSubChunk; cb < a; ++cb) {
+#pragma unroll
+        for (int l = 0; l < kSubChunk; ++l)
+          accv += amat[(base + i) * kSqStride + cb * kSubChunk + l] * linv[(cb * kSubChunk + l) * kSqStride + j];
+      }
+      tmp[i * kChunk + j] = accv;
     }
     __syncthreads();
+    // L[a, :a] = −L[a, a] · tmp
     for (int e = tid; e < kSubChunk * cols; e += kPrepareThreads) {
       const int i = e / cols, j = e % cols;
-      float acc = 0.f;
-      for (int l = 0; l <= i; ++l) acc -= linv[(base + i) * kSqStride + base + l] * tmp[l * kChunk + j];
-      linv[(base + i) * kSqStride + j] = acc;
+      float accv = 0.f;
+#pragma unroll
+      for (int l = 0; l < kSubChunk; ++l) accv -= linv[(base + i) * kSqStride + base + l] * tmp[l * kChunk + j];
+      linv[(base + i) * kSqStride + j] = accv;
     }
     __syncthreads();
   }
@@ -400,14 +540,15 @@ __global__ void __launch_bounds__(kPrepareThreads) chunk_prepare_kernel(const Ch
   }
   __syncthreads();
 
-  // ---- Phase 5: w = T (k e^{Γ}); warp a computes rows of sub-chunk a ------------------------
+  // ---- Phase 5: w = T (k e^{Γ}); warp w: rows of sub-chunk w % 4, key columns half w / 4 ------
   {
-    const int a = warp;
-    float acc[kHeadDim / 8][4];
+    const int a = wq, half = warp / kSubChunks;
+    constexpr int kTiles = kHeadDim / 16;  // n-tiles of 8 per half
+    float accw[kTiles][4];
 #pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n)
+    for (int n = 0; n < kTiles; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+      for (int e = 0; e < 4; ++e) accw[n][e] = 0.f;
     const uint32_t t_base = sm80::smem_u32(tinv_s), kt_base = sm80::smem_u32(s.kt);
 #pragma unroll
     for (int kc = 0; kc < kSubChunks; ++kc) {
@@ -416,21 +557,21 @@ __global__ void __launch_bounds__(kPrepareThreads) chunk_prepare_kernel(const Ch
       sm80::ldmatrix_x4(af, t_base + SqTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                           2 * kc + (lane >> 4)));
 #pragma unroll
-      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+      for (int dp = 0; dp < kTiles / 2; ++dp) {
         uint32_t bf[4];
         sm80::ldmatrix_x4_trans(bf, kt_base + MatTile::chunk_offset(kc * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                    2 * dp + (lane >> 4)));
-        sm80::mma_16816<Elem>(acc[2 * dp], af, bf[0], bf[1]);
-        sm80::mma_16816<Elem>(acc[2 * dp + 1], af, bf[2], bf[3]);
+                                                                    half * kTiles + 2 * dp + (lane >> 4)));
+        sm80::mma_16816<Elem>(accw[2 * dp], af, bf[0], bf[1]);
+        sm80::mma_16816<Elem>(accw[2 * dp + 1], af, bf[2], bf[3]);
       }
     }
 #pragma unroll
-    for (int n = 0; n < kHeadDim / 8; ++n)
+    for (int n = 0; n < kTiles; ++n)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int row = a * kSubChunk + g8 + 8 * hh, col = 8 * n + 2 * t4;
+        const int row = a * kSubChunk + g8 + 8 * hh, col = half * (kHeadDim / 2) + 8 * n + 2 * t4;
         *reinterpret_cast<uint32_t*>(w_s + MatTile::offset(row, col)) =
-            sm80::pack2<Elem>(acc[n][2 * hh], acc[n][2 * hh + 1]);
+            sm80::pack2<Elem>(accw[n][2 * hh], accw[n][2 * hh + 1]);
       }
   }
   __syncthreads();

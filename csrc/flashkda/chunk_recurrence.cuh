@@ -209,6 +209,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
         sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
       }
     // Output: through this warp's own columns of the v tile, then 16-byte stores.
+    __syncwarp();  // every lane's ldmatrix reads of these columns are done
 #pragma unroll
     for (int nt = 0; nt < kChunk / 8; ++nt)
 #pragma unroll

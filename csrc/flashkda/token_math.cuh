@@ -53,7 +53,8 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
 // Per-token preprocessing (KDA_SPEC steps 3 and 4)
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float sigmoidf_(float x) { return __frcp_rn(1.f + __expf(-x)); }
+// Fast sigmoid: exp and reciprocal on the special-function unit; exp overflow gives 1/inf = 0.
+__device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 __device__ __forceinline__ float softplusf_(float x) {
   return x > kSoftplusThreshold ? x : log1pf(__expf(x));

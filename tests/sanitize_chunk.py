@@ -1,0 +1,27 @@
+"""A small varlen chunk_kda / chunk_gated_delta_rule call for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python tests/sanitize_chunk.py
+    compute-sanitizer --tool racecheck python tests/sanitize_chunk.py
+
+Lengths 1, 15, 16, 17, 0, 97 with GVA, a bf16 initial state, masks (exact diagonal path) and
+both value splits, so every code path of both kernels runs once.
+"""
+
+import torch
+
+import flashkda
+from flashkda import _ext
+
+from helpers import make_inputs
+
+if __name__ == "__main__":
+    for split in (1, 2):
+        _ext.config.chunk_value_split = split
+        for gate in ("lower_bound", "precomputed"):
+            kw = make_inputs(lens=[1, 15, 16, 17, 0, 97], H=1, HV=2, D=128, gate=gate, dtype=torch.bfloat16,
+                             device="cuda", state_dtype=torch.bfloat16, mask_prob=0.2)
+            flashkda.chunk_kda(**kw, output_final_state=True)
+        kw = make_inputs(lens=[5, 70], H=1, D=128, gdn=True, dtype=torch.float16, device="cuda")
+        flashkda.chunk_gated_delta_rule(**kw, output_final_state=True)
+    torch.cuda.synchronize()
+    print("sanitize_chunk: done")
