@@ -290,7 +290,8 @@ def _aligned16(x: torch.Tensor) -> torch.Tensor:
         return x.contiguous()
     per16 = 16 // x.element_size()
     ok = x.stride(-1) == 1 and x.storage_offset() % per16 == 0 and all(st % per16 == 0 for st in x.stride()[:-1])
-    return x if ok else x.contiguous()
+    # clone, not contiguous(): a contiguous view at an odd offset would come back unchanged
+    return x if ok else x.clone(memory_format=torch.contiguous_format)
 
 
 def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,

@@ -227,3 +227,31 @@ def test_cuda_constants_match_python():
     for name, value in (("kPrecomputed", api.GATE_PRECOMPUTED), ("kLowerBound", api.GATE_LOWER_BOUND),
                         ("kSoftplus", api.GATE_SOFTPLUS)):
         assert re.search(rf"{name} = {value},", params)
+    chunk = (ROOT / "csrc" / "flashkda" / "chunk_params.h").read_text()
+    assert int(re.search(r"constexpr int kHeadDim = (\d+);", chunk).group(1)) == C.CHUNK_HEAD_DIM
+
+
+def test_chunk_kernel_reasons_and_alignment():
+    from flashkda.api import _aligned16, _chunk_kernel_unsupported, _validate
+
+    def problem(D, dtype):
+        kw = make_inputs(T=3, H=1, D=D, dtype=dtype)
+        return _validate("chunk_kda", kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], scalar_gate=False, scale=None,
+                         initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, use_gate_in_kernel=True,
+                         A_log=kw["A_log"], dt_bias=kw["dt_bias"], lower_bound=-5.0,
+                         use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False, state_v_first=False), kw["q"]
+
+    assert _chunk_kernel_unsupported(*problem(128, torch.bfloat16)) is None
+    assert _chunk_kernel_unsupported(*problem(128, torch.float16)) is None
+    assert "head dim 64" in _chunk_kernel_unsupported(*problem(64, torch.bfloat16))
+    assert "float32 inputs" in _chunk_kernel_unsupported(*problem(128, torch.float32))
+    # 16-byte rows: contiguous tensors pass through; odd storage offsets and strides are copied.
+    x = torch.randn(1, 9, 2, 128).bfloat16()
+    assert _aligned16(x) is x
+    shifted = x.flatten()[3:3 + 8 * 2 * 128].view(1, 8, 2, 128)
+    y = _aligned16(shifted)
+    assert y is not shifted and y.storage_offset() == 0 and torch.equal(y, shifted)
+    strided = torch.randn(1, 4, 2, 132).bfloat16()[..., :128]  # row stride 132 elements: 264 bytes
+    assert _aligned16(strided) is not strided
+    fused = torch.randn(1, 4, 3, 2, 128).bfloat16()[:, :, 1]  # q of a fused qkv: 16-byte rows, kept
+    assert _aligned16(fused) is fused
