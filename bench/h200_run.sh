@@ -25,8 +25,15 @@ fi
 if [[ $what == quick ]]; then
   python3 -m pytest -q ${TESTS:-tests/test_cuda_chunk.py} -m "not slow" --tb=line -p no:cacheprovider 2>&1 \
     | grep -v DEBUG | tail -25 || rc=1
+  if [[ ${SANITIZE:-0} == 1 ]]; then  # memcheck + racecheck on a small varlen case of every kernel path
+    for tool in memcheck racecheck; do
+      PYTHONPATH=.:tests${PYTHONPATH:+:$PYTHONPATH} compute-sanitizer --tool $tool --print-limit 5 \
+        python3 tests/sanitize_chunk.py 2>&1 | grep -E "SUMMARY|Race reported|Invalid|done" | head -8
+    done
+  fi
   PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/prefill_quick.py --json "$OUT/quick.json" ${QUICK_ARGS:-} \
     2>&1 | grep -v -i warn || rc=1
+  [[ ${HOTSPOTS:-0} == 1 ]] && PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} bash bench/ncu_hotspots.sh chunk_prepare
 fi
 if [[ $what == prefill ]]; then
   FLASHKDA_FLA_BACKEND=0 python3 -m pytest -q bench/test_prefill.py -m "not sweep" -p no:cacheprovider \
