@@ -50,6 +50,25 @@ int num_sms(int device) {
   return sms;
 }
 
+// Every state tensor given: on q's device, contiguous [>= num_slots, HV, D, D], fp32 or bf16.
+void check_states(const RecurrentParams& p, const at::Tensor& q, const std::optional<at::Tensor>& initial_state,
+                  const std::optional<at::Tensor>& final_state) {
+  for (const auto* s : {initial_state.has_value() ? &*initial_state : nullptr,
+                        final_state.has_value() ? &*final_state : nullptr}) {
+    if (s == nullptr) continue;
+    check_cuda(*s, q, "state");
+    TORCH_CHECK(s->is_contiguous() && s->dim() == 4 && s->size(1) == p.HV && s->size(2) == p.D && s->size(3) == p.D,
+                "flashkda: state must be contiguous [slots, HV, D, D]");
+    TORCH_CHECK(s->size(0) >= p.num_slots, "flashkda: state has fewer slots than sequences");
+    TORCH_CHECK(s->scalar_type() == at::kFloat || s->scalar_type() == at::kBFloat16,
+                "flashkda: state must be float32 or bfloat16");
+  }
+}
+
+DType state_dtype(const std::optional<at::Tensor>& s) {
+  return s.has_value() && s->scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+}
+
 // Token tensors, gate and varlen fields shared by the recurrent and chunked entry points.
 void fill_token_params(RecurrentParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& g, const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
@@ -160,19 +179,7 @@ void recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     p.num_slots = p.N;
   }
   if (state_ref != nullptr) {
-    for (const auto* s : {initial_state.has_value() ? &*initial_state : nullptr,
-                          final_state.has_value() ? &*final_state : nullptr}) {
-      if (s == nullptr) continue;
-      check_cuda(*s, q, "state");
-      TORCH_CHECK(s->is_contiguous() && s->dim() == 4 && s->size(1) == p.HV && s->size(2) == D && s->size(3) == D,
-                  "flashkda: state must be contiguous [slots, HV, D, D]");
-      TORCH_CHECK(s->size(0) >= p.num_slots, "flashkda: state has fewer slots than sequences");
-      TORCH_CHECK(s->scalar_type() == at::kFloat || s->scalar_type() == at::kBFloat16,
-                  "flashkda: state must be float32 or bfloat16");
-    }
-    auto state_dtype = [](const std::optional<at::Tensor>& s) {
-      return s.has_value() && s->scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-    };
+    check_states(p, q, initial_state, final_state);
     p.state_in_dtype = ssm_state_indices.has_value() ? state_dtype(final_state) : state_dtype(initial_state);
     p.state_out_dtype = state_dtype(final_state);
   }
@@ -219,25 +226,12 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   for (const auto* t : {&q, &k, &v, &o})
     TORCH_CHECK(aligned16(*t), "flashkda: q, k, v and o must be 16-byte aligned with 16-byte strides");
   TORCH_CHECK(p.scalar_gate || aligned16(g), "flashkda: g must be 16-byte aligned with 16-byte strides");
-  for (const auto* s : {initial_state.has_value() ? &*initial_state : nullptr,
-                        final_state.has_value() ? &*final_state : nullptr}) {
-    if (s == nullptr) continue;
-    check_cuda(*s, q, "state");
-    TORCH_CHECK(s->is_contiguous() && s->dim() == 4 && s->size(0) == p.N && s->size(1) == p.HV &&
-                    s->size(2) == p.D && s->size(3) == p.D,
-                "flashkda: state must be contiguous [N, HV, 128, 128]");
-    TORCH_CHECK(s->scalar_type() == at::kFloat || s->scalar_type() == at::kBFloat16,
-                "flashkda: state must be float32 or bfloat16");
-  }
-  if (initial_state.has_value()) {
-    p.state_in = initial_state->data_ptr();
-    p.state_in_dtype = initial_state->scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-  }
-  if (final_state.has_value()) {
-    p.state_out = final_state->data_ptr();
-    p.state_out_dtype = final_state->scalar_type() == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-  }
   p.num_slots = p.N;
+  check_states(p, q, initial_state, final_state);
+  if (initial_state.has_value()) p.state_in = initial_state->data_ptr();
+  if (final_state.has_value()) p.state_out = final_state->data_ptr();
+  p.state_in_dtype = state_dtype(initial_state);
+  p.state_out_dtype = state_dtype(final_state);
 
   const int64_t chunk = chunk::kChunk;
   int64_t slots = 0;
