@@ -52,22 +52,24 @@ constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
 
 struct PrepareSmem {
-  // Phase 0-1 hold the raw chunk: q in kj, k in kt (MatTile layout, element type of the inputs),
-  // the KDA gate in qi (row-major, its own dtype). Phase 2 overwrites each element in place.
+  // Phase 0 loads the raw chunk: q in kj, k in kt (MatTile layout, element type of the inputs),
+  // the KDA gate in qi (row-major, its own dtype). Phase 1 overwrites each element in place.
   float qi[kChunk * kF32Stride];   // q̂ e^{γ−h}, fp32
   float ki[kChunk * kF32Stride];   // k̂ e^{γ−h}, fp32
   alignas(16) uint8_t kj[kChunk * kHeadDim * 2];  // k̂ e^{h−γ} (column side), OpElem, MatTile
   alignas(16) uint8_t kt[kChunk * kHeadDim * 2];  // k̂ e^{Γ}, Elem, MatTile
   float fac[kSubChunks + kPairs][kHeadDim];       // row factors: diagonal (1, or 0 when wide), pairs
   float qscale[kChunk], kscale[kChunk], beta[kChunk], gate_scalar[kChunk];
-  int wide[kSubChunks];
+  alignas(16) float bias[kHeadDim];  // dt_bias of the head's channels (zeros without dt_bias)
+  float a_exp;                       // exp(A_log[hv]), 1 without A_log
+  int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
 static_assert(sizeof(float) * kChunk * kF32Stride >= kChunk * kHeadDim * 4, "raw fp32 gate fits in qi");
-static_assert(kSubChunks == 4, "the wide-block check and the phase-3 job list assume four sub-chunks");
+static_assert(kSubChunks == 4, "the phase-2 job list and the inverse assume four sub-chunks");
 // Aliases, valid after the A / M products:
 //   qi: amat (f32 [kChunk][kSqStride]) then tinv_s (SqTile)
 //   ki: linv (f32 [kChunk][kSqStride]) then mqk_s (SqTile)
-//   kj: tmp (f32 [kSubChunk][kChunk]) during the inverse, then w_s (MatTile)
+//   kj: scratch (f32, [kSubChunk][kScratchStride] per warp) during the inverse, then w_s (MatTile)
 constexpr int kAliasSqF32Bytes = kChunk * kSqStride * 4;
 static_assert(kAliasSqF32Bytes + kChunk * kChunk * 2 <= int(sizeof(float)) * kChunk * kF32Stride, "alias fits");
 static_assert(kAliasSqF32Bytes % 16 == 0, "b16 tile after the fp32 matrix stays 16-byte aligned");
@@ -142,7 +144,45 @@ __device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, i
   }
 }
 
-// Phase 3 work list: the ten blocks (a, b), b <= a, of A and of M, spread over four warps each
+// Row stride (floats) of a warp's 16x16 scratch block in the off-diagonal inverse: the B-fragment
+// reads (rows t, t+4; columns g) then hit 32 different banks.
+constexpr int kScratchStride = 24;
+
+// acc (two 16x8 C fragments, columns 0-7 and 8-15) += X · Y for 16x16 fp32 blocks in shared
+// memory (row strides sx, sy), with 3xTF32 operands.
+__device__ __forceinline__ void block_product_3xtf32(float (&acc)[2][4], const float* X, int sx, const float* Y,
+                                                     int sy) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const int k0 = 8 * ks;
+    const float xa[4] = {X[g8 * sx + k0 + t4], X[(g8 + 8) * sx + k0 + t4], X[g8 * sx + k0 + t4 + 4],
+                         X[(g8 + 8) * sx + k0 + t4 + 4]};
+    uint32_t ahi[4], alo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sm80::split_tf32(xa[r], ahi[r], alo[r]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      uint32_t bhi0, blo0, bhi1, blo1;
+      sm80::split_tf32(Y[(k0 + t4) * sy + 8 * nt + g8], bhi0, blo0);
+      sm80::split_tf32(Y[(k0 + t4 + 4) * sy + 8 * nt + g8], bhi1, blo1);
+      sm80::mma_1688_tf32(acc[nt], alo, bhi0, bhi1);
+      sm80::mma_1688_tf32(acc[nt], ahi, blo0, blo1);
+      sm80::mma_1688_tf32(acc[nt], ahi, bhi0, bhi1);
+    }
+  }
+}
+
+// A 16x16 block of C fragments (as block_product_3xtf32 leaves it), times sign, to shared memory.
+__device__ __forceinline__ void store_block(float* dst, int stride, const float (&acc)[2][4], float sign) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst[(g8 + 8 * (e >> 1)) * stride + 8 * nt + 2 * t4 + (e & 1)] = sign * acc[nt][e];
+}
+
+// Phase 2 work list: the ten blocks (a, b), b <= a, of A and of M, spread over four warps each
 // (warps 0-3: A, warps 4-7: M) so that every warp runs two or three blocks.
 constexpr int kBlockJobs = 3;
 __device__ __forceinline__ void block_job(int w, int slot, int& a, int& b) {
@@ -191,6 +231,19 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         sm80::cp_async_16(sm80::smem_u32(s.qi) + e * 16, src + ch * 16, valid);
       }
     }
+    if (tid < kHeadDim / 4) {  // dt_bias, four channels per thread (one value for the scalar gate)
+      const float* bias = p.dt_bias == nullptr ? nullptr : p.dt_bias + (p.scalar_gate ? hv : hv * kHeadDim + 4 * tid);
+      if (bias != nullptr && !p.scalar_gate && (reinterpret_cast<uintptr_t>(bias) & 15) == 0) {
+        sm80::cp_async_16(sm80::smem_u32(&s.bias[4 * tid]), bias);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s.bias[4 * tid + e] = bias == nullptr ? 0.f : bias[p.scalar_gate ? 0 : e];
+      }
+    }
+    if (tid == kHeadDim / 4) {
+      s.a_exp = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
+      s.wide_mask = 0;
+    }
     sm80::cp_async_commit();
     if (tid < kChunk) {
       const int t = tid;
@@ -208,71 +261,93 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- Phase 1: per-token l2 norms (warp w: tokens 8w .. 8w+7) --------------------------------
-  constexpr int kNormTokens = kChunk / (kPrepareThreads / 32);
-  for (int i = 0; i < kNormTokens; ++i) {
-    const int t = warp * kNormTokens + i;
-    float sq = 0.f, sk = 0.f;
-    if (p.l2norm) {
-      const uint32_t off = MatTile::offset(t, 4 * lane);
-      const Elem* xq = reinterpret_cast<const Elem*>(s.kj + off);
-      const Elem* xk = reinterpret_cast<const Elem*>(s.kt + off);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = to_float(xq[e]), y = to_float(xk[e]);
-        sq += x * x;
-        sk += y * y;
-      }
-#pragma unroll
-      for (int off2 = 16; off2 > 0; off2 >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, off2);
-        sk += __shfl_xor_sync(0xffffffffu, sk, off2);
-      }
-    }
-    if (lane == 0) {
-      const bool valid = t < c.len;
-      s.qscale[t] = !valid ? 0.f : (p.l2norm ? rsqrtf(sq + kL2NormEps) * p.scale : p.scale);
-      s.kscale[t] = !valid ? 0.f : (p.l2norm ? rsqrtf(sk + kL2NormEps) : 1.f);
-    }
-  }
-
-  // ---- Phase 2: gate, decays and the decayed operands -----------------------------------------
+  // ---- Phase 1: l2 norms, gate, decays and the decayed operands -------------------------------
   // Thread (cg, ts) owns channels 8cg .. 8cg+7 of tokens 4ts .. 4ts+3 (sub-chunk ts / 4), so that
   // every shared and global access moves 16 bytes.
   constexpr int kSliceTokens = 4, kGroups = kHeadDim / 8;
   const int cg = tid % kGroups, ts = tid / kGroups, d0 = 8 * cg, sub = ts / (kSubChunk / kSliceTokens);
   float* part = s.ki;  // [kChunk / kSliceTokens][kHeadDim] slice totals of the log decay
+  // l2 norms of the slice's tokens: this thread's 8 channels, then the 15 other lanes of its half
+  // warp (same ts, the other channel groups).
+  float qs[kSliceTokens], ks[kSliceTokens];
+#pragma unroll
+  for (int i = 0; i < kSliceTokens; ++i) {
+    const int t = kSliceTokens * ts + i;
+    float sq = 0.f, sk = 0.f;
+    if (p.l2norm) {
+      const uint32_t moff = MatTile::chunk_offset(t, cg);
+      const uint4 rq = *reinterpret_cast<const uint4*>(s.kj + moff);
+      const uint4 rk = *reinterpret_cast<const uint4*>(s.kt + moff);
+      const Elem* xq = reinterpret_cast<const Elem*>(&rq);
+      const Elem* xk = reinterpret_cast<const Elem*>(&rk);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float x = to_float(xq[e]), y = to_float(xk[e]);
+        sq += x * x;
+        sk += y * y;
+      }
+#pragma unroll
+      for (int m = 1; m < kGroups; m <<= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, m);
+        sk += __shfl_xor_sync(0xffffffffu, sk, m);
+      }
+    }
+    const bool valid = t < c.len;
+    qs[i] = !valid ? 0.f : (p.l2norm ? rsqrtf(sq + kL2NormEps) * p.scale : p.scale);
+    ks[i] = !valid ? 0.f : (p.l2norm ? rsqrtf(sk + kL2NormEps) : 1.f);
+    if (cg == 0) s.qscale[t] = qs[i], s.kscale[t] = ks[i];  // for the exact diagonal blocks
+  }
   // Log decays of the slice. Every exponent below is a direct sum of them (prefixes and suffixes),
-  // never a difference of long cumulative sums: with −1e4 masks those lose the small terms.
+  // never a difference of long cumulative sums: with −1e4 masks those lose the small terms. The gate
+  // dtype and mode are uniform per launch: one branch each, outside the element loops.
   float gl[kSliceTokens][8];
   {
-    const float A = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
-    float bias[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      bias[e] = p.dt_bias == nullptr ? 0.f : p.dt_bias[p.scalar_gate ? hv : hv * kHeadDim + d0 + e];
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
       const int t = kSliceTokens * ts + i;
-      float raw[8];
       if (p.scalar_gate) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) raw[e] = s.gate_scalar[t];
+        for (int e = 0; e < 8; ++e) gl[i][e] = s.gate_scalar[t];
       } else if (g_size == 4) {
         const float4 lo = *reinterpret_cast<const float4*>(&s.qi[t * kHeadDim + d0]);
         const float4 hi = *reinterpret_cast<const float4*>(&s.qi[t * kHeadDim + d0 + 4]);
-        raw[0] = lo.x, raw[1] = lo.y, raw[2] = lo.z, raw[3] = lo.w, raw[4] = hi.x, raw[5] = hi.y, raw[6] = hi.z, raw[7] = hi.w;
+        gl[i][0] = lo.x, gl[i][1] = lo.y, gl[i][2] = lo.z, gl[i][3] = lo.w;
+        gl[i][4] = hi.x, gl[i][5] = hi.y, gl[i][6] = hi.z, gl[i][7] = hi.w;
       } else {
         const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(s.qi) + (t * kHeadDim + d0) * 2);
-        const uint16_t* hbits = reinterpret_cast<const uint16_t*>(&v);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        if (p.g_dtype == DType::kBFloat16) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) raw[e] = load_any(hbits, p.g_dtype, e);
-      }
+          for (int e = 0; e < 8; ++e) gl[i][e] = __uint_as_float((e & 1 ? w[e / 2] >> 16 : w[e / 2] & 0xffffu) << 16);
+        } else {
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        gl[i][e] = t < c.len ? log_decay(p, raw[e], bias[e], A) : 0.f;
+          for (int e = 0; e < 8; ++e) gl[i][e] = __half2float(__ushort_as_half(uint16_t(e & 1 ? w[e / 2] >> 16 : w[e / 2])));
+        }
       }
     }
+    float bias[8];
+    {
+      const float4 lo = *reinterpret_cast<const float4*>(&s.bias[d0]);
+      const float4 hi = *reinterpret_cast<const float4*>(&s.bias[d0 + 4]);
+      bias[0] = lo.x, bias[1] = lo.y, bias[2] = lo.z, bias[3] = lo.w, bias[4] = hi.x, bias[5] = hi.y, bias[6] = hi.z, bias[7] = hi.w;
+    }
+    const float A = s.a_exp;
+    if (p.gate_mode == GateMode::kLowerBound) {
+#pragma unroll
+      for (int i = 0; i < kSliceTokens; ++i)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) gl[i][e] = p.lower_bound * sigmoidf_(A * (gl[i][e] + bias[e]));
+    } else if (p.gate_mode == GateMode::kSoftplus) {
+#pragma unroll
+      for (int i = 0; i < kSliceTokens; ++i)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) gl[i][e] = -A * softplusf_(gl[i][e] + bias[e]);
+    }
+#pragma unroll
+    for (int i = 0; i < kSliceTokens; ++i)
+      if (kSliceTokens * ts + i >= c.len)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) gl[i][e] = 0.f;
   }
   __syncthreads();  // raw gate (qi) consumed; part (ki) is free
   {
@@ -355,14 +430,17 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     dst[0] = make_float4(__expf(total[0]), __expf(total[1]), __expf(total[2]), __expf(total[3]));
     dst[1] = make_float4(__expf(total[4]), __expf(total[5]), __expf(total[6]), __expf(total[7]));
   }
+  {
+    int wide = 0;  // bit a: some channel of sub-chunk a is wide
 #pragma unroll
-  for (int a = 0; a < kSubChunks; ++a) {
-    bool any_wide = false;
+    for (int a = 0; a < kSubChunks; ++a)
 #pragma unroll
-    for (int e = 0; e < 8; ++e) any_wide |= !small(a, e);
-    const int w = __syncthreads_or(any_wide);  // also: every read of part is done
-    if (tid == 0) s.wide[a] = w;
+      for (int e = 0; e < 8; ++e) wide |= small(a, e) ? 0 : 1 << a;
+    wide = __reduce_or_sync(0xffffffffu, wide);
+    if (lane == 0 && wide != 0) atomicOr(&s.wide_mask, wide);
+    __syncthreads();  // also: every read of part is done
   }
+  const int wide_mask = s.wide_mask;
   {
     // Pivot of this sub-chunk, and whether the channel is narrow (pivot τ/2) or wide (0 / τ).
     float half_tau[8], up_row[8], to_end[8];
@@ -383,7 +461,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       const uint4 rk = *reinterpret_cast<const uint4*>(s.kt + moff);
       const Elem* xq = reinterpret_cast<const Elem*>(&rq);
       const Elem* xk = reinterpret_cast<const Elem*>(&rk);
-      const float qs = s.qscale[t], ks = s.kscale[t];
       float vqi[8], vki[8], vkj[8], vkt[8], vqd[8], vkd[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -393,7 +470,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           if (i2 <= i) pre += gl[i2][e];
           else suf += gl[i2][e];
         }
-        const float qh = to_float(xq[e]) * qs, kh = to_float(xk[e]) * ks;
+        const float qh = to_float(xq[e]) * qs[i], kh = to_float(xk[e]) * ks[i];
         const float x = __expf(narrow[e] ? pre - half_tau[e] : pre);  // e^{γ − h}
         const float y = __expf(narrow[e] ? suf - half_tau[e] : suf);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
         vqi[e] = qh * x;
@@ -417,7 +494,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- Phase 3: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
+  // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
   const bool is_m = warp >= kSubChunks;
   const int wq = warp % kSubChunks;
   float acc[kBlockJobs][2][4];
@@ -434,7 +511,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     for (int j = 0; j < kBlockJobs; ++j) {
       int a, b;
       block_job(wq, j, a, b);
-      if (a < 0 || (b == a && s.wide[a])) continue;
+      if (a < 0 || (b == a && (wide_mask >> a & 1))) continue;
       const float* f = s.fac[b == a ? a : kSubChunks + pair_index(a, b)];
       const int r0 = a * kSubChunk + g8, r1 = r0 + 8;
 #pragma unroll
@@ -464,15 +541,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   uint8_t* tinv_s = reinterpret_cast<uint8_t*>(s.qi) + kAliasSqF32Bytes;
   float* linv = s.ki;
   uint8_t* mqk_s = reinterpret_cast<uint8_t*>(s.ki) + kAliasSqF32Bytes;
-  float* tmp = reinterpret_cast<float*>(s.kj);
+  float* scratch = reinterpret_cast<float*>(s.kj);
   uint8_t* w_s = s.kj;
-  // Upper blocks are zero; then each job writes its block (A masked strictly, M with the diagonal).
-  for (int e = tid; e < kChunk * kChunk; e += kPrepareThreads) {
-    const int i = e / kChunk, j = e % kChunk;
-    if (j / kSubChunk > i / kSubChunk) {
-      amat[i * kSqStride + j] = 0.f;
-      store_elem<Elem>(mqk_s, SqTile::offset(i, j), 0.f);
-    }
+  // M's blocks above the diagonal are zero (the recurrence multiplies the whole matrix); A's are
+  // never read. Then each job writes its block (A masked strictly, M with the diagonal).
+  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
+    const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
+    if (ch * 8 / kSubChunk > i / kSubChunk) *reinterpret_cast<uint4*>(mqk_s + SqTile::chunk_offset(i, ch)) = uint4{};
   }
 #pragma unroll
   for (int jb = 0; jb < kBlockJobs; ++jb) {
@@ -482,20 +557,25 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = a * kSubChunk + g8 + 8 * (e >> 1);
-        const int j = b * kSubChunk + 8 * n + 2 * t4 + (e & 1);
-        if (is_m) store_elem<Elem>(mqk_s, SqTile::offset(i, j), j <= i ? acc[jb][n][e] : 0.f);
-        else amat[i * kSqStride + j] = j < i ? acc[jb][n][e] * s.beta[i] : 0.f;
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = a * kSubChunk + g8 + 8 * hh, j = b * kSubChunk + 8 * n + 2 * t4;
+        const float x0 = acc[jb][n][2 * hh], x1 = acc[jb][n][2 * hh + 1];
+        if (is_m) {
+          *reinterpret_cast<uint32_t*>(mqk_s + SqTile::offset(i, j)) =
+              sm80::pack2<Elem>(j <= i ? x0 : 0.f, j + 1 <= i ? x1 : 0.f);
+        } else {
+          amat[i * kSqStride + j] = j < i ? x0 * s.beta[i] : 0.f;
+          amat[i * kSqStride + j + 1] = j + 1 < i ? x1 * s.beta[i] : 0.f;
+        }
       }
   }
   __syncthreads();
-  if (s.wide[0] | s.wide[1] | s.wide[2] | s.wide[3]) {  // rare (block-uniform): exact diagonal blocks
-    if (warp < kSubChunks && s.wide[warp]) exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_s);
+  if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
+    if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_s);
     __syncthreads();
   }
 
-  // ---- Phase 4: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
+  // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
   if (warp < kSubChunks && lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
     const int a = warp, j = lane, base = a * kSubChunk;
     float x[kSubChunk];
@@ -509,38 +589,42 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
   }
   __syncthreads();
-  for (int a = 1; a < kSubChunks; ++a) {  // off-diagonal blocks of row block a
-    const int cols = a * kSubChunk, base = a * kSubChunk;
-    // tmp = A[a, :a] · L[:a, :a]  (L is block lower triangular; its diagonal blocks are full 16x16
-    // tiles with zeros above the diagonal, so every inner loop runs 16 unrolled steps)
-    for (int e = tid; e < kSubChunk * cols; e += kPrepareThreads) {
-      const int i = e / cols, j = e % cols;
-      float accv = 0.f;
-      for (int cb = j / kSubChunk; cb < a; ++cb) {
-#pragma unroll
-        for (int l = 0; l < kSubChunk; ++l)
-          accv += amat[(base + i) * kSqStride + cb * kSubChunk + l] * linv[(cb * kSubChunk + l) * kSqStride + j];
-      }
-      tmp[i * kChunk + j] = accv;
+  // Off-diagonal blocks, one warp per block column b (columns are independent):
+  //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
+  // as 16x16x16 products on the tensor cores with fp32-accurate 3xTF32 operands.
+  if (warp < kSubChunks - 1) {
+    const int b = warp;
+    float* scr = scratch + warp * kSubChunk * kScratchStride;
+    for (int a = b + 1; a < kSubChunks; ++a) {
+      float acc[2][4] = {};
+      for (int c = b; c < a; ++c)
+        block_product_3xtf32(acc, amat + a * kSubChunk * kSqStride + c * kSubChunk, kSqStride,
+                             linv + c * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
+      store_block(scr, kScratchStride, acc, 1.f);
+      __syncwarp();
+      float acc2[2][4] = {};
+      block_product_3xtf32(acc2, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
+      store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc2, -1.f);
+      __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
     }
-    __syncthreads();
-    // L[a, :a] = −L[a, a] · tmp
-    for (int e = tid; e < kSubChunk * cols; e += kPrepareThreads) {
-      const int i = e / cols, j = e % cols;
-      float accv = 0.f;
-#pragma unroll
-      for (int l = 0; l < kSubChunk; ++l) accv -= linv[(base + i) * kSqStride + base + l] * tmp[l * kChunk + j];
-      linv[(base + i) * kSqStride + j] = accv;
-    }
-    __syncthreads();
   }
-  for (int e = tid; e < kChunk * kChunk; e += kPrepareThreads) {
-    const int i = e / kChunk, j = e % kChunk;
-    store_elem<Elem>(tinv_s, SqTile::offset(i, j), j <= i ? linv[i * kSqStride + j] * s.beta[j] : 0.f);
+  __syncthreads();
+  // T = L diag(β), lower triangle, 16 bytes per store into shared memory (phase 4) and the record.
+  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
+    const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
+    float x[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      const int j = 8 * ch + m;
+      x[m] = j <= i ? linv[i * kSqStride + j] * s.beta[j] : 0.f;
+    }
+    const uint4 packed = pack8<Elem>(x);
+    *reinterpret_cast<uint4*>(tinv_s + SqTile::chunk_offset(i, ch)) = packed;
+    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + i * kChunk * 2 + ch * 16) = packed;
   }
   __syncthreads();
 
-  // ---- Phase 5: w = T (k e^{Γ}); warp w: rows of sub-chunk w % 4, key columns half w / 4 ------
+  // ---- Phase 4: w = T (k e^{Γ}); warp w: rows of sub-chunk w % 4, key columns half w / 4 ------
   {
     const int a = wq, half = warp / kSubChunks;
     constexpr int kTiles = kHeadDim / 16;  // n-tiles of 8 per half
@@ -576,7 +660,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- Phase 6: copy w, mqk and T to the record (16-byte stores) -----------------------------
+  // ---- Phase 5: copy w and mqk to the record (16-byte stores) -----------------------------
   for (int e = tid; e < kChunk * (kHeadDim / 8); e += kPrepareThreads) {
     const int row = e / (kHeadDim / 8), ch = e % (kHeadDim / 8);
     *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kW + row * kHeadDim * 2 + ch * 16) =
@@ -586,8 +670,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     const int row = e / (kChunk / 8), ch = e % (kChunk / 8);
     *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kMqk + row * kChunk * 2 + ch * 16) =
         *reinterpret_cast<const uint4*>(mqk_s + SqTile::chunk_offset(row, ch));
-    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + row * kChunk * 2 + ch * 16) =
-        *reinterpret_cast<const uint4*>(tinv_s + SqTile::chunk_offset(row, ch));
   }
 }
 

@@ -1,5 +1,5 @@
-// Warp-level tensor-core and copy primitives of sm_80 (mma.sync m16n8k16, ldmatrix, cp.async),
-// which every later architecture also runs. Fragment layouts (g = lane / 4, t = lane % 4):
+// Warp-level tensor-core and copy primitives of sm_80 (mma.sync m16n8k16 and m16n8k8 tf32, ldmatrix,
+// cp.async), which every later architecture also runs. m16n8k16 layouts (g = lane / 4, t = lane % 4):
 //   A 16x16 row-major: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
 //   B 16x8  (k, n):    b0 (k = 2t..2t+1, n = g)           b1 (k = 2t+8.., n = g)
 //   C 16x8:            c0 c1 (g, 2t..2t+1)                c2 c3 (g+8, 2t..2t+1)
@@ -34,6 +34,30 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// tf32 operands (fp32 bit patterns with 10 mantissa bits), fp32 accumulation. Fragment layouts
+// (g = lane / 4, t = lane % 4): A 16x8 a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);
+// B 8x8 (k, n) b0 (t, g) b1 (t+4, g); C as above.
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// x = hi + lo (to about 2^-22 relative) with both parts tf32: the three products hi·hi, hi·lo and
+// lo·hi of two split operands give an fp32-accurate product on the tf32 tensor cores ("3xTF32").
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  hi = to_tf32(x);
+  lo = to_tf32(x - __uint_as_float(hi));
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

@@ -1,0 +1,94 @@
+// Standalone timing of chunk_prepare without PyTorch: T tokens, H heads (argv), bf16 inputs, the
+// benchmark's lower-bound gate with A_log / dt_bias, l2norm and beta sigmoid. With PHASE_CLOCKS,
+// chunk_prepare.cuh is the copy patched by phase_clocks.py and thread 0 of every block adds the
+// clock cycles of each phase to g_phase_cycles.
+//   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//        prepare_harness.cu -o prepare_harness && ./prepare_harness 8192 96
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#ifdef PHASE_CLOCKS
+__device__ unsigned long long g_phase_cycles[16];
+#endif
+#include "flashkda/chunk_prepare.cuh"
+
+#define CHECK(x)                                                                  \
+  do {                                                                            \
+    cudaError_t e_ = (x);                                                         \
+    if (e_ != cudaSuccess) {                                                      \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));               \
+      return 1;                                                                   \
+    }                                                                             \
+  } while (0)
+
+__global__ void fill_normal_bf16(__nv_bfloat16* x, size_t n, uint32_t seed, float sd) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    uint32_t h2 = h * 747796405u + 2891336453u;
+    const float u1 = (h & 0xffffff) / 16777216.f + 1e-7f, u2 = (h2 & 0xffffff) / 16777216.f;
+    x[i] = __float2bfloat16(sd * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+int main(int argc, char** argv) {
+  const int T = argc > 1 ? std::atoi(argv[1]) : 8192, H = argc > 2 ? std::atoi(argv[2]) : 96;
+  const int D = flashkda::chunk::kHeadDim;
+  const size_t n_tok = size_t(T) * H * D;
+  __nv_bfloat16 *q, *k, *g, *beta;
+  float *A_log, *dt_bias;
+  CHECK(cudaMalloc(&q, n_tok * 2)); CHECK(cudaMalloc(&k, n_tok * 2)); CHECK(cudaMalloc(&g, n_tok * 2));
+  CHECK(cudaMalloc(&beta, size_t(T) * H * 2));
+  CHECK(cudaMalloc(&A_log, H * 4)); CHECK(cudaMalloc(&dt_bias, H * D * 4));
+  fill_normal_bf16<<<1024, 256>>>(q, n_tok, 1, 1.f);
+  fill_normal_bf16<<<1024, 256>>>(k, n_tok, 2, 1.f);
+  fill_normal_bf16<<<1024, 256>>>(g, n_tok, 3, 1.f);
+  fill_normal_bf16<<<1024, 256>>>(beta, size_t(T) * H, 4, 1.f);
+  CHECK(cudaMemset(A_log, 0, H * 4)); CHECK(cudaMemset(dt_bias, 0, H * D * 4));
+
+  flashkda::ChunkParams p{};
+  p.q = q; p.k = k; p.v = q; p.g = g; p.beta = beta; p.o = nullptr;
+  p.q_batch_stride = p.k_batch_stride = p.g_batch_stride = int64_t(T) * H * D;
+  p.q_token_stride = p.k_token_stride = p.g_token_stride = int64_t(H) * D;
+  p.q_head_stride = p.k_head_stride = p.g_head_stride = D;
+  p.beta_batch_stride = int64_t(T) * H; p.beta_token_stride = H;
+  p.A_log = A_log; p.dt_bias = dt_bias;
+  p.B = 1; p.T = T; p.N = 1; p.H = H; p.HV = H; p.D = D;
+  p.scale = 1.f / sqrtf(float(D)); p.lower_bound = -5.f; p.beta_scale = 1.f;
+  p.gate_mode = flashkda::GateMode::kLowerBound; p.l2norm = true; p.beta_sigmoid = true; p.state_v_first = true;
+  p.g_dtype = p.beta_dtype = flashkda::DType::kBFloat16;
+  p.chunks_per_seq = (T + flashkda::chunk::kChunk - 1) / flashkda::chunk::kChunk;
+  p.num_chunk_slots = p.chunks_per_seq;
+  CHECK(cudaMalloc(&p.workspace, size_t(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes));
+
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int it = 0; it < 25; ++it) {
+    CHECK(cudaEventRecord(e0));
+    CHECK(flashkda::run_chunk_prepare<__nv_bfloat16>(p, 0));
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaEventSynchronize(e1));
+    float t; CHECK(cudaEventElapsedTime(&t, e0, e1));
+    if (it >= 5) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double bytes = double(n_tok) * 6 + double(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes;
+  std::printf("chunk_prepare T=%d H=%d: median %.3f ms (%.2f TB/s of inputs + records)\n", T, H, ms[ms.size() / 2],
+              bytes / (ms[ms.size() / 2] * 1e-3) / 1e12);
+#ifdef PHASE_CLOCKS
+  unsigned long long cyc[16];
+  CHECK(cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof(cyc)));
+  unsigned long long tot = 0;
+  for (int i = 0; i < 16; ++i) tot += cyc[i];
+  for (int i = 0; i < 16; ++i)
+    if (cyc[i]) std::printf("  phase %2d: %6.1f%%  %8.0f cycles per block\n", i, 100.0 * cyc[i] / tot,
+                            double(cyc[i]) / (25.0 * p.num_chunk_slots * H));
+#endif
+  return 0;
+}
