@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python tests/sanitize_chunk.py
 
 Lengths 1, 15, 16, 17, 0, 97 with GVA, a bf16 initial state, masks (exact diagonal path) and
-both value splits, so every code path of both kernels runs once.
+every value split, so every code path of both kernels runs once.
 """
 
 import torch
@@ -15,7 +15,7 @@ from flashkda import _ext
 from helpers import make_inputs
 
 if __name__ == "__main__":
-    for split in (1, 2):
+    for split in (1, 2, 4):
         _ext.config.chunk_value_split = split
         for gate in ("lower_bound", "precomputed"):
             kw = make_inputs(lens=[1, 15, 16, 17, 0, 97], H=1, HV=2, D=128, gate=gate, dtype=torch.bfloat16,

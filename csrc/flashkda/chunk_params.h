@@ -19,7 +19,9 @@ constexpr int kSubChunks = kChunk / kSubChunk;
 constexpr int kHeadDim = 128;
 
 // One workspace record per (chunk, value head), written by chunk_prepare, read by chunk_recurrence.
-// Matrices are row-major over the chunk's tokens c (padded tokens are zero rows and columns):
+// Matrices are row-major over the chunk's tokens c (padded tokens are zero rows and columns), each
+// row's 16-byte chunks XOR-swizzled as in shared memory (sm80::SwizzledTile): the record is the
+// image of chunk_recurrence's shared-memory stage, so one linear bulk copy loads it.
 //   w     [kChunk][kHeadDim] elem   T · (k ⊙ e^{Γ})          (Γ: log decay from the chunk start)
 //   qd    [kChunk][kHeadDim] elem   scale · q ⊙ e^{Γ}
 //   kd    [kChunk][kHeadDim] elem   k ⊙ e^{Γ_last − Γ}
@@ -49,7 +51,7 @@ struct ChunkParams : RecurrentParams {
   int32_t* chunk_offsets;     // [N + 1] device, varlen only (filled by the chunk_index kernel)
   int32_t num_chunk_slots;    // upper bound on the total chunk count: grid size of chunk_prepare
   int32_t chunks_per_seq;     // ceil(T / kChunk) without cu_seqlens
-  int32_t value_split;        // blocks per (sequence, head) in chunk_recurrence: kHeadDim / block V
+  int32_t value_split;        // blocks per (sequence, head) in chunk_recurrence: kHeadDim / block V (1, 2, 4)
 };
 
 }  // namespace flashkda

@@ -488,8 +488,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       krow[1] = make_float4(vki[4], vki[5], vki[6], vki[7]);
       *reinterpret_cast<uint4*>(s.kj + moff) = pack8<OpElem>(vkj);
       *reinterpret_cast<uint4*>(s.kt + moff) = pack8<Elem>(vkt);
-      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + (t * kHeadDim + d0) * 2) = pack8<Elem>(vqd);
-      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kKd + (t * kHeadDim + d0) * 2) = pack8<Elem>(vkd);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + moff) = pack8<Elem>(vqd);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kKd + moff) = pack8<Elem>(vkd);
     }
   }
   __syncthreads();
@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
     const uint4 packed = pack8<Elem>(x);
     *reinterpret_cast<uint4*>(tinv_s + SqTile::chunk_offset(i, ch)) = packed;
-    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + i * kChunk * 2 + ch * 16) = packed;
+    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + SqTile::chunk_offset(i, ch)) = packed;
   }
   __syncthreads();
 
@@ -660,17 +660,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- Phase 5: copy w and mqk to the record (16-byte stores) -----------------------------
-  for (int e = tid; e < kChunk * (kHeadDim / 8); e += kPrepareThreads) {
-    const int row = e / (kHeadDim / 8), ch = e % (kHeadDim / 8);
-    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kW + row * kHeadDim * 2 + ch * 16) =
-        *reinterpret_cast<const uint4*>(w_s + MatTile::chunk_offset(row, ch));
-  }
-  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
-    const int row = e / (kChunk / 8), ch = e % (kChunk / 8);
-    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kMqk + row * kChunk * 2 + ch * 16) =
-        *reinterpret_cast<const uint4*>(mqk_s + SqTile::chunk_offset(row, ch));
-  }
+  // ---- Phase 5: copy w and mqk to the record (16-byte stores; same swizzled layout) ---------
+  for (int e = tid; e < kChunk * kHeadDim * 2 / 16; e += kPrepareThreads)
+    reinterpret_cast<uint4*>(rec + WorkspaceLayout::kW)[e] = reinterpret_cast<const uint4*>(w_s)[e];
+  for (int e = tid; e < kChunk * kChunk * 2 / 16; e += kPrepareThreads)
+    reinterpret_cast<uint4*>(rec + WorkspaceLayout::kMqk)[e] = reinterpret_cast<const uint4*>(mqk_s)[e];
 }
 
 template <typename Elem>

@@ -3,20 +3,26 @@
 // independently, so several blocks share a sequence when there are few (sequence, head) chains).
 //
 // The state is held transposed, Sᵀ [value rows v, key columns d], in the m16n8 accumulator layout
-// of mma.sync: warp w owns value rows 16w..16w+15, all 128 key columns (64 fp32 registers per
-// thread). That layout doubles as the A operand of the next products, so per chunk
+// of mma.sync: warp (vw, ds) owns value rows 16vw..16vw+15 and key columns ds·kKeyCols ..
+// (ds+1)·kKeyCols − 1 (kDSplit warps share a row group; 64 / kDSplit fp32 registers per thread).
+// That layout doubles as the A operand of the next products, so per chunk
 //     Uᵀ = (T v)ᵀ − Sᵀ wᵀ,   Oᵀ = Sᵀ qdᵀ + Uᵀ mqkᵀ,   Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
-// run from registers and shared memory with no data exchanged between warps. The next chunk's
-// record streams into a second shared-memory stage (cp.async) while this one is computed.
+// run from registers and shared memory. With kDSplit > 1 each warp forms the products over its key
+// columns only and the partial Uᵀ / Oᵀ meet in shared memory (Uᵀ summed by every warp, Oᵀ by the
+// warp that owns those chunk rows), so a chain's work per chunk spreads over more SMs and warps
+// when there are few chains (long sequences, few heads). The next chunk's record streams into a
+// second shared-memory stage (cp.async) while this one is computed.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "chunk_common.cuh"
+#include "bulk_sm90.cuh"
 #include "chunk_params.h"
 #include "mma_sm80.cuh"
 #include "token_math.cuh"
@@ -24,12 +30,18 @@
 namespace flashkda {
 namespace chunk {
 
-template <int kBlockV_>
+template <int kBlockV_, int kDSplit_>
 struct RecurrenceShape {
   static constexpr int kBlockV = kBlockV_;
-  static constexpr int kWarps = kBlockV / 16;
+  static constexpr int kDSplit = kDSplit_;              // warps sharing one group of 16 value rows
+  static constexpr int kKeyCols = kHeadDim / kDSplit;   // state key columns per warp
+  static constexpr int kRowTiles = kChunk / 16 / kDSplit;  // 16-token row tiles of O per warp
+  static constexpr int kWarps = kBlockV / 16 * kDSplit;
   static constexpr int kThreads = 32 * kWarps;
+  // Two records in flight: a third stage (it fits for 64 columns on sm_90) measured no faster on the
+  // H200, and A100 blocks get at most 163 KB of shared memory.
   static constexpr int kStages = 2;
+  static_assert(kDSplit == 1 || kDSplit == 2 || kDSplit == 4, "key split of 1, 2 or 4");
   using MatTile = sm80::SwizzledTile<kHeadDim * 2 / 16>;
   using SqTile = sm80::SwizzledTile<kChunk * 2 / 16>;
   using VTile = sm80::SwizzledTile<kBlockV * 2 / 16>;
@@ -39,34 +51,46 @@ struct RecurrenceShape {
     alignas(16) uint8_t kd[kChunk * kHeadDim * 2];
     alignas(16) uint8_t mqk[kChunk * kChunk * 2];
     alignas(16) uint8_t tinv[kChunk * kChunk * 2];
+    alignas(16) float decay[kHeadDim];            // everything up to here: the workspace record's image
     alignas(16) uint8_t v[kChunk * kBlockV * 2];  // v, then this chunk's output (same columns)
-    alignas(16) float decay[kHeadDim];
   };
-  static constexpr int kSmemBytes = kStages * int(sizeof(Stage));
+  // Partial Uᵀ and Oᵀ of one warp (2 x 8 accumulator tiles x 4 values x 32 lanes), kDSplit > 1 only.
+  static constexpr int kExchangeFloats = 2 * (kChunk / 8) * 4 * 32;
+  static constexpr int kSmemBytes =
+      kStages * int(sizeof(Stage)) + (kDSplit > 1 ? kWarps * kExchangeFloats * int(sizeof(float)) : 0);
 };
 
-template <typename Elem, int kBlockV>
-__device__ __forceinline__ void load_stage(const ChunkParams& p, typename RecurrenceShape<kBlockV>::Stage& st,
+// The record is the image of the stage's first kRecordBytes (chunk_params.h): one linear copy.
+template <typename Stage>
+constexpr bool record_is_stage_image() {
+  return offsetof(Stage, w) == WorkspaceLayout::kW && offsetof(Stage, qd) == WorkspaceLayout::kQd &&
+         offsetof(Stage, kd) == WorkspaceLayout::kKd && offsetof(Stage, mqk) == WorkspaceLayout::kMqk &&
+         offsetof(Stage, tinv) == WorkspaceLayout::kTinv && offsetof(Stage, decay) == WorkspaceLayout::kDecay &&
+         offsetof(Stage, v) == WorkspaceLayout::kRecordBytes;
+}
+
+// Starts the loads of one chunk into a stage: the record with the copy engine where there is one
+// (sm_90: bulk copies counted on `bar`), else with cp.async; the v tile with cp.async (one group).
+template <typename Elem, typename Shape>
+__device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape::Stage& st, uint64_t* bar,
                                            const uint8_t* rec, const Elem* vrow0, int len) {
-  using Shape = RecurrenceShape<kBlockV>;
+  constexpr int kBlockV = Shape::kBlockV;
+  static_assert(record_is_stage_image<typename Shape::Stage>(), "stage layout = record layout");
   const int tid = threadIdx.x;
-  constexpr int kMatChunks = kChunk * kHeadDim * 2 / 16;
-  for (int e = tid; e < kMatChunks; e += Shape::kThreads) {
-    const int row = e / (kHeadDim / 8), ch = e % (kHeadDim / 8);
-    const uint32_t off = Shape::MatTile::chunk_offset(row, ch);
-    sm80::cp_async_16(sm80::smem_u32(st.w) + off, rec + WorkspaceLayout::kW + e * 16);
-    sm80::cp_async_16(sm80::smem_u32(st.qd) + off, rec + WorkspaceLayout::kQd + e * 16);
-    sm80::cp_async_16(sm80::smem_u32(st.kd) + off, rec + WorkspaceLayout::kKd + e * 16);
+#ifdef FLASHKDA_BULK_COPY
+  if (tid == 0) {
+    constexpr uint32_t kPiece = 16384;  // several moderate copies rather than one of 64.5 KB
+    sm90::mbarrier_arrive_expect_tx(bar, uint32_t(WorkspaceLayout::kRecordBytes));
+    for (uint32_t off = 0; off < uint32_t(WorkspaceLayout::kRecordBytes); off += kPiece) {
+      const uint32_t rest = uint32_t(WorkspaceLayout::kRecordBytes) - off;
+      sm90::bulk_copy_to_shared(reinterpret_cast<uint8_t*>(&st) + off, rec + off, rest < kPiece ? rest : kPiece, bar);
+    }
   }
-  constexpr int kSqChunks = kChunk * kChunk * 2 / 16;
-  for (int e = tid; e < kSqChunks; e += Shape::kThreads) {
-    const int row = e / (kChunk / 8), ch = e % (kChunk / 8);
-    const uint32_t off = Shape::SqTile::chunk_offset(row, ch);
-    sm80::cp_async_16(sm80::smem_u32(st.mqk) + off, rec + WorkspaceLayout::kMqk + e * 16);
-    sm80::cp_async_16(sm80::smem_u32(st.tinv) + off, rec + WorkspaceLayout::kTinv + e * 16);
-  }
-  for (int e = tid; e < kHeadDim * 4 / 16; e += Shape::kThreads)
-    sm80::cp_async_16(sm80::smem_u32(st.decay) + e * 16, rec + WorkspaceLayout::kDecay + e * 16);
+#else
+  (void)bar;
+  for (int e = tid; e < int(WorkspaceLayout::kRecordBytes / 16); e += Shape::kThreads)
+    sm80::cp_async_16(sm80::smem_u32(&st) + e * 16, rec + e * 16);
+#endif
   constexpr int kRowChunks = kBlockV / 8;
   for (int e = tid; e < kChunk * kRowChunks; e += Shape::kThreads) {
     const int row = e / kRowChunks, ch = e % kRowChunks;
@@ -81,30 +105,45 @@ __device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
   return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;
 }
 
-template <typename Elem, int kBlockV>
-__global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_recurrence_kernel(const ChunkParams p) {
-  using Shape = RecurrenceShape<kBlockV>;
+template <typename Elem, int kBlockV, int kDSplit>
+__global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1)
+    chunk_recurrence_kernel(const ChunkParams p) {
+  using Shape = RecurrenceShape<kBlockV, kDSplit>;
   using Stage = typename Shape::Stage;
+  constexpr int kKeyTiles = Shape::kKeyCols / 8;  // n-tiles of the state per warp
+  constexpr int kRowTiles = Shape::kRowTiles;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+  float* exchange = reinterpret_cast<float*>(smem_raw + Shape::kStages * sizeof(Stage));
+  __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
+#ifdef FLASHKDA_BULK_COPY
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Shape::kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+#endif
 
   const int vblock = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2, t4 = lane & 3;
-  const int v_local = 16 * warp;                      // first value row of this warp within the block
+  const int vw = warp / kDSplit, ds = warp % kDSplit;
+  const int v_local = 16 * vw;                        // first value row of this warp within the block
   const int v_glob = vblock * kBlockV + v_local;      // ... within the head
+  const int d0 = ds * Shape::kKeyCols;                // first key column of this warp
+  const int np0 = ds * kRowTiles;                     // first 16-token row tile of O this warp owns
   const SeqSpan seq = sequence_span(p, n);
   const int64_t chunks = num_chunks(seq.len);
 
   // ---- initial state -> registers ---------------------------------------------------------
-  float s[kHeadDim / 8][4];
+  float s[kKeyTiles][4];
   {
     const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
 #pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt)
+    for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
+        const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
         float x = 0.f;
         if (p.state_in != nullptr) {
           const int64_t i = base + state_offset(p.state_v_first, v, d);
@@ -131,18 +170,23 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
   const int64_t last = p.num_chunk_slots - seq.first_slot;
   const int64_t nchunks = chunks < last ? chunks : (last > 0 ? last : 0);
 
-  if (nchunks > 0) {
-    load_stage<Elem, kBlockV>(p, stages[0], record(0), vbase + (seq.bos) * p.v_token_stride, chunk_len(0));
+  constexpr int kStages = Shape::kStages;
+  auto issue = [&](int64_t j) {  // loads of chunk j into its stage (one cp.async group, maybe empty)
+    if (j < nchunks)
+      load_stage<Elem, Shape>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
+                              vbase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
     sm80::cp_async_commit();
-  }
+  };
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) issue(j);
   for (int64_t j = 0; j < nchunks; ++j) {
-    Stage& st = stages[j & 1];
-    __syncthreads();  // every warp is done with the stage that the next load overwrites
-    if (j + 1 < nchunks)
-      load_stage<Elem, kBlockV>(p, stages[(j + 1) & 1], record(j + 1),
-                                vbase + (seq.bos + (j + 1) * kChunk) * p.v_token_stride, chunk_len(j + 1));
-    sm80::cp_async_commit();
-    sm80::cp_async_wait<1>();
+    Stage& st = stages[j % kStages];
+    __syncthreads();  // every warp is done with the stage that the next load overwrites (and with exchange)
+    issue(j + kStages - 1);
+    sm80::cp_async_wait<kStages - 1>();
+#ifdef FLASHKDA_BULK_COPY
+    sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
+#endif
     __syncthreads();
 
     const uint32_t w_s = sm80::smem_u32(st.w), qd_s = sm80::smem_u32(st.qd), kd_s = sm80::smem_u32(st.kd);
@@ -154,14 +198,16 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
 #pragma unroll
       for (int e = 0; e < 4; ++e) u[nt][e] = o[nt][e] = 0.f;
 
-    // Uᵀ = vᵀ Tᵀ (T lower triangular: output tiles np >= kc only)
+    // Uᵀ = vᵀ Tᵀ for this warp's row tiles (T lower triangular: output tiles np >= kc only)
 #pragma unroll
     for (int kc = 0; kc < kChunk / 16; ++kc) {
+      if (kc >= np0 + kRowTiles) break;
       uint32_t af[4];
       sm80::ldmatrix_x4_trans(af, v_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
                                                                    v_local / 8 + ((lane >> 3) & 1)));
 #pragma unroll
       for (int np = kc; np < kChunk / 16; ++np) {
+        if (np / kRowTiles != ds) continue;  // compile-time register indices, run-time ownership
         uint32_t bf[4];
         sm80::ldmatrix_x4(bf, tinv_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
                                                                    2 * kc + ((lane >> 3) & 1)));
@@ -169,9 +215,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
         sm80::mma_16816<Elem>(u[2 * np + 1], af, bf[2], bf[3]);
       }
     }
-    // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ
+    // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ  over this warp's key columns
 #pragma unroll
-    for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+    for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
       const uint32_t a[4] = {sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]), sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]),
                              sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]),
                              sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3])};
@@ -179,7 +225,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
 #pragma unroll
       for (int np = 0; np < kChunk / 16; ++np) {
         const uint32_t off = Shape::MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                          2 * kd + ((lane >> 3) & 1));
+                                                          d0 / 8 + 2 * kd + ((lane >> 3) & 1));
         uint32_t bw[4], bq[4];
         sm80::ldmatrix_x4(bw, w_s + off);
         sm80::ldmatrix_x4(bq, qd_s + off);
@@ -187,6 +233,33 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
         sm80::mma_16816<Elem>(u[2 * np + 1], na, bw[2], bw[3]);
         sm80::mma_16816<Elem>(o[2 * np], a, bq[0], bq[1]);
         sm80::mma_16816<Elem>(o[2 * np + 1], a, bq[2], bq[3]);
+      }
+    }
+    if constexpr (kDSplit > 1) {
+      // Partial sums meet: every warp of the row group adds the others' Uᵀ (all of it) and Oᵀ (its
+      // own row tiles). One float4 per lane and tile: conflict-free 16-byte accesses.
+      float4* mine = reinterpret_cast<float4*>(exchange + warp * Shape::kExchangeFloats);
+#pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt) {
+        mine[nt * 32 + lane] = make_float4(u[nt][0], u[nt][1], u[nt][2], u[nt][3]);
+        mine[(kChunk / 8 + nt) * 32 + lane] = make_float4(o[nt][0], o[nt][1], o[nt][2], o[nt][3]);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int other = 1; other < kDSplit; ++other) {
+        const float4* theirs =
+            reinterpret_cast<const float4*>(exchange + (vw * kDSplit + (ds + other) % kDSplit) * Shape::kExchangeFloats);
+#pragma unroll
+        for (int nt = 0; nt < kChunk / 8; ++nt) {
+          const float4 x = theirs[nt * 32 + lane];
+          u[nt][0] += x.x, u[nt][1] += x.y, u[nt][2] += x.z, u[nt][3] += x.w;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kChunk / 8; ++nt) {
+          if (nt / (2 * kRowTiles) != ds) continue;
+          const float4 x = theirs[(kChunk / 8 + nt) * 32 + lane];
+          o[nt][0] += x.x, o[nt][1] += x.y, o[nt][2] += x.z, o[nt][3] += x.w;
+        }
       }
     }
     uint32_t ua[kChunk / 16][4];
@@ -197,51 +270,55 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
       ua[kc][2] = sm80::pack2<Elem>(u[2 * kc + 1][0], u[2 * kc + 1][1]);
       ua[kc][3] = sm80::pack2<Elem>(u[2 * kc + 1][2], u[2 * kc + 1][3]);
     }
-    // Oᵀ += Uᵀ mqkᵀ (mqk lower triangular)
+    // Oᵀ += Uᵀ mqkᵀ for this warp's row tiles (mqk lower triangular)
 #pragma unroll
     for (int kc = 0; kc < kChunk / 16; ++kc)
 #pragma unroll
       for (int np = kc; np < kChunk / 16; ++np) {
+        if (np / kRowTiles != ds) continue;
         uint32_t bf[4];
         sm80::ldmatrix_x4(bf, mqk_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
                                                                   2 * kc + ((lane >> 3) & 1)));
         sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
         sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
       }
-    // Output: through this warp's own columns of the v tile, then 16-byte stores.
+    // Output: through this warp's rows and columns of the v tile, then 16-byte stores. The v reads
+    // of the other warps of the row group ended before the exchange barrier (kDSplit > 1).
     __syncwarp();  // every lane's ldmatrix reads of these columns are done
 #pragma unroll
-    for (int nt = 0; nt < kChunk / 8; ++nt)
+    for (int nt = 0; nt < kChunk / 8; ++nt) {
+      if (nt / (2 * kRowTiles) != ds) continue;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
         *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
       }
+    }
     __syncwarp();
     {
       const int len = chunk_len(j);
       Elem* orow0 = obase + (seq.bos + j * kChunk) * p.o_token_stride + v_local;
 #pragma unroll
-      for (int it = 0; it < kChunk / 16; ++it) {
-        const int c = 16 * it + (lane >> 1), half = lane & 1;
+      for (int r = 0; r < kRowTiles; ++r) {
+        const int c = 16 * (np0 + r) + (lane >> 1), half = lane & 1;
         if (c < len)
           *reinterpret_cast<uint4*>(orow0 + int64_t(c) * p.o_token_stride + 8 * half) =
               *reinterpret_cast<const uint4*>(st.v + Shape::VTile::chunk_offset(c, v_local / 8 + half));
       }
     }
-    // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
+    // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd  over this warp's key columns
 #pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt) {
-      const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+      const float2 dec = *reinterpret_cast<const float2*>(&st.decay[d0 + 8 * nt + 2 * t4]);
       s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
     }
 #pragma unroll
     for (int kc = 0; kc < kChunk / 16; ++kc)
 #pragma unroll
-      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+      for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
         uint32_t bf[4];
         sm80::ldmatrix_x4_trans(bf, kd_s + Shape::MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                        2 * dp + (lane >> 4)));
+                                                                        d0 / 8 + 2 * dp + (lane >> 4)));
         sm80::mma_16816<Elem>(s[2 * dp], ua[kc], bf[0], bf[1]);
         sm80::mma_16816<Elem>(s[2 * dp + 1], ua[kc], bf[2], bf[3]);
       }
@@ -251,10 +328,10 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
   if (p.state_out != nullptr) {
     const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
 #pragma unroll
-    for (int nt = 0; nt < kHeadDim / 8; ++nt)
+    for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
+        const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
         const int64_t i = base + state_offset(p.state_v_first, v, d);
         if (p.state_out_dtype == DType::kBFloat16)
           static_cast<__nv_bfloat16*>(p.state_out)[i] = __float2bfloat16(s[nt][e]);
@@ -264,11 +341,11 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1) chunk_r
   }
 }
 
-template <typename Elem, int kBlockV>
+template <typename Elem, int kBlockV, int kDSplit>
 cudaError_t launch_recurrence(const ChunkParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
-  using Shape = RecurrenceShape<kBlockV>;
-  auto kernel = chunk_recurrence_kernel<Elem, kBlockV>;
+  using Shape = RecurrenceShape<kBlockV, kDSplit>;
+  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<dim3(kHeadDim / kBlockV, p.HV, p.N), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
@@ -277,9 +354,9 @@ cudaError_t launch_recurrence(const ChunkParams& p, cudaStream_t stream) {
 
 }  // namespace chunk
 
-template <typename Elem, int kBlockV>
+template <typename Elem, int kBlockV, int kDSplit>
 cudaError_t run_chunk_recurrence(const ChunkParams& params, cudaStream_t stream) {
-  return chunk::launch_recurrence<Elem, kBlockV>(params, stream);
+  return chunk::launch_recurrence<Elem, kBlockV, kDSplit>(params, stream);
 }
 
 }  // namespace flashkda

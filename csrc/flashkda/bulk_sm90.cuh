@@ -1,0 +1,55 @@
+// sm_90 bulk asynchronous copies (global -> shared through the copy engine, no tensor map) and the
+// mbarriers that count their bytes. Defined only when compiling for sm_90 or later: callers guard
+// their use with FLASHKDA_BULK_COPY and keep an sm_80 path.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "mma_sm80.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FLASHKDA_BULK_COPY 1
+
+namespace flashkda {
+namespace sm90 {
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(sm80::smem_u32(bar)), "r"(arrivals) : "memory");
+}
+
+// Makes initialised mbarriers visible to the copy engine (before the block-wide barrier that
+// publishes them to the other threads).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival that also announces `bytes` of transactions still to complete on this phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(sm80::smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(sm80::smem_u32(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+// bytes: a multiple of 16; both addresses 16-byte aligned. Completion is counted on `bar`.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   sm80::smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(sm80::smem_u32(bar))
+               : "memory");
+}
+
+}  // namespace sm90
+}  // namespace flashkda
+#endif
