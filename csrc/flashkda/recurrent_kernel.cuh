@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "api.h"
 #include "constants.h"
 #include "recurrent_common.cuh"
 #include "recurrent_params.h"
@@ -318,6 +319,16 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMin
 template <typename Elem, int D>
 cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
+  if constexpr (D == kDecodeBulkHeadDim) {
+    if (p.state_v_first && p.decode_family != DecodeFamily::kSm80) {
+      // The sm_90 kernel takes the case when it covers it and the device has its code.
+      const DType state = p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype;
+      bool launched = false;
+      const cudaError_t err = state == DType::kBFloat16 ? run_decode_bulk<Elem, __nv_bfloat16>(p, stream, launched)
+                                                        : run_decode_bulk<Elem, float>(p, stream, launched);
+      if (err != cudaSuccess || launched) return err;
+    }
+  }
   if (p.state_v_first) {
     const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / VFirstShape<D>::kRows)));
     decode_step_vfirst<Elem, D><<<grid, VFirstShape<D>::kThreads, 0, stream>>>(p);
