@@ -12,6 +12,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
+
 #include "flashkda/api.h"
 #include "flashkda/static_switch.h"
 
@@ -40,6 +42,20 @@ void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* name) {
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "flashkda: ", name, " must be contiguous in its last dimension");
 }
+
+// Process-wide choice of the decode kernel family (flashkda/_ext.py sets it from
+// FLASHKDA_DECODE_FAMILY at import); read by every recurrent call.
+std::atomic<int32_t> g_decode_family{int32_t(DecodeFamily::kAuto)};
+
+void set_decode_family(int64_t family) {
+  TORCH_CHECK(family == int64_t(DecodeFamily::kAuto) || family == int64_t(DecodeFamily::kSm80) ||
+                  family == int64_t(DecodeFamily::kSm90),
+              "flashkda: decode family must be ", int(DecodeFamily::kAuto), " (auto), ", int(DecodeFamily::kSm80),
+              " or ", int(DecodeFamily::kSm90), ", got ", family);
+  g_decode_family.store(int32_t(family), std::memory_order_relaxed);
+}
+
+int64_t get_decode_family() { return g_decode_family.load(std::memory_order_relaxed); }
 
 int num_sms(int device) {
   static int cached[64] = {0};
@@ -186,6 +202,7 @@ void recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
   const c10::cuda::CUDAGuard guard(q.device());
   p.num_sms = num_sms(q.get_device());
+  p.decode_family = static_cast<DecodeFamily>(g_decode_family.load(std::memory_order_relaxed));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;
   FLASHKDA_HEAD_DIM_SWITCH(D, kD, [&] {
@@ -302,4 +319,8 @@ TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
 PYBIND11_MODULE(_C, m) {
   m.def("recurrent_fwd", &flashkda::recurrent_fwd, "token-by-token recurrence (see binding.cpp)");
   m.def("chunk_fwd", &flashkda::chunk_fwd, "chunked forward (see binding.cpp)");
+  m.def("set_decode_family", &flashkda::set_decode_family,
+        "decode kernel family for every later call in this process: 0 auto, 80 sm_80 kernel, 90 sm_90 kernel "
+        "where it applies");
+  m.def("get_decode_family", &flashkda::get_decode_family, "the decode kernel family set last (0, 80 or 90)");
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, Optional, Sequence
 
@@ -111,3 +112,14 @@ def public_fn(kind: str, gdn: bool):
     if kind == "chunk":
         return flashkda.chunk_gated_delta_rule if gdn else flashkda.chunk_kda
     return flashkda.fused_recurrent_gated_delta_rule if gdn else flashkda.fused_recurrent_kda
+
+
+@contextlib.contextmanager
+def decode_family(name: str):
+    """Runs the block with the decode kernel family ``name`` ("auto", "sm80" or "sm90"), then restores it."""
+    before = _ext.config.decode_family
+    _ext.set_decode_family(name)
+    try:
+        yield name
+    finally:
+        _ext.set_decode_family(before)

@@ -14,6 +14,16 @@ namespace flashkda {
 template <typename Elem, int D>
 cudaError_t run_recurrent(const RecurrentParams& params, cudaStream_t stream);
 
+// Head dim (K == V) of the sm_90 decode kernel.
+constexpr int kDecodeBulkHeadDim = 128;
+
+// Decode step on sm_90 (decode_bulk.cuh), for the V-first cases it covers: StateT (float or
+// __nv_bfloat16) is the element type of every state tensor given. Sets `launched` to false, and
+// launches nothing, when the case is not covered or the current device has no sm_90 code of the
+// kernel; the caller then runs run_recurrent's own kernel.
+template <typename Elem, typename StateT>
+cudaError_t run_decode_bulk(const RecurrentParams& params, cudaStream_t stream, bool& launched);
+
 // Chunked forward (prefill), K == V == chunk::kHeadDim. Launch order on one stream:
 // run_chunk_index (varlen only), run_chunk_prepare, run_chunk_recurrence. Elem: __nv_bfloat16 or
 // __half. kBlockV: value columns per block of chunk_recurrence (32, 64 or 128); kDSplit: warps that

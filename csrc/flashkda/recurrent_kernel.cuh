@@ -15,9 +15,10 @@
 
 #include <cstdint>
 
+#include "api.h"
 #include "constants.h"
+#include "recurrent_common.cuh"
 #include "recurrent_params.h"
-#include "static_switch.h"
 #include "token_math.cuh"
 
 namespace flashkda {
@@ -54,63 +55,6 @@ __device__ __forceinline__ void store4_state(void* base, DType dt, int64_t i, co
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Which tokens and which slots a sequence uses
-// ---------------------------------------------------------------------------------------------
-
-struct Sequence {
-  int64_t batch;      // batch row of the token tensors
-  int64_t bos;        // first token within that row
-  int64_t len;        // number of tokens
-  int64_t read_slot;  // state slot to start from; -1: zeros
-  bool skip;          // padding sequence: zero output, no state traffic
-};
-
-__device__ __forceinline__ bool slot_ok(const RecurrentParams& p, int64_t s) {
-  return s >= 0 && s < p.num_slots;
-}
-
-__device__ __forceinline__ Sequence resolve_sequence(const RecurrentParams& p, int n) {
-  Sequence s;
-  if (p.cu_seqlens != nullptr) {
-    s.batch = 0;
-    s.bos = load_index(p.cu_seqlens, p.cu_type, n);
-    s.len = load_index(p.cu_seqlens, p.cu_type, n + 1) - s.bos;
-    if (s.len < 0) s.len = 0;  // out-of-order offsets never index memory
-  } else {
-    s.batch = n;
-    s.bos = 0;
-    s.len = p.T;
-  }
-  s.skip = false;
-  s.read_slot = p.state_in != nullptr ? n : -1;
-  if (p.slot_indices != nullptr) {
-    int64_t col = 0;
-    if (p.idx_cols > 0 && p.num_accepted != nullptr) {
-      col = load_index(p.num_accepted, p.accepted_type, n) - 1;
-    }
-    const bool col_ok = p.idx_cols == 0 ? true : (col >= 0 && col < p.idx_cols);
-    const int64_t slot = col_ok ? load_index(p.slot_indices, p.idx_type, n * p.idx_row_stride + col) : -1;
-    s.skip = !slot_ok(p, slot);
-    s.read_slot = s.skip ? -1 : slot;
-  }
-  return s;
-}
-
-// Slot written after token i (per-token mode), -1 for a padding token.
-__device__ __forceinline__ int64_t token_slot(const RecurrentParams& p, int n, int64_t i) {
-  if (i >= p.idx_cols) return -1;
-  const int64_t slot = load_index(p.slot_indices, p.idx_type, n * p.idx_row_stride + i);
-  return slot_ok(p, slot) ? slot : -1;
-}
-
-// Slot written after the last token (per-sequence modes), -1 for none.
-__device__ __forceinline__ int64_t final_slot(const RecurrentParams& p, int n, const Sequence& s) {
-  if (p.state_out == nullptr || s.skip) return -1;
-  if (p.slot_indices != nullptr) return s.len > 0 ? s.read_slot : -1;  // zero-length: untouched
-  return n;
-}
-
 // Blocks are numbered value block fastest, then head, then sequence: the blocks of one state slot
 // (HV * D * D contiguous elements) run together.
 struct BlockCoords {
@@ -124,97 +68,6 @@ __device__ __forceinline__ BlockCoords block_coords(const RecurrentParams& p, in
   c.hv = int((x % per_seq) / unsigned(blocks_v));
   c.vblock = int(x % unsigned(blocks_v));
   return c;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Token vectors. Every warp stages the preprocessed q, k and decay of the current token in its own
-// shared-memory scratch (lane l computes channels l, l+32, ...): loads are coalesced, the l2 norms
-// are warp reductions, and no block-wide barrier is needed. Redundant across warps, but tiny next
-// to the state traffic.
-// ---------------------------------------------------------------------------------------------
-
-template <int W>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int m = 1; m < W; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
-  return x;
-}
-
-template <int D>
-struct TokenScratch {
-  float q[D];      // scale * q / |q|
-  float k[D];      // k / |k|
-  float decay[D];  // exp(log decay)
-};
-
-// The raw values of one token that a lane preprocesses (channels lane, lane + 32, ...).
-template <int D>
-struct TokenRegs {
-  static constexpr int M = D / 32;  // channels per lane: lane, lane + 32, ...
-  float q[M], k[M], g[M], bias[M];  // g[0] / bias[0] only with a scalar gate
-};
-
-template <typename Elem, int D>
-__device__ __forceinline__ TokenRegs<D> load_token(const RecurrentParams& p, const Sequence& seq, int64_t t, int h,
-                                                   int hv, int lane) {
-  constexpr int M = TokenRegs<D>::M;
-  const Elem* q_ptr = static_cast<const Elem*>(p.q) + seq.batch * p.q_batch_stride + t * p.q_token_stride + h * p.q_head_stride;
-  const Elem* k_ptr = static_cast<const Elem*>(p.k) + seq.batch * p.k_batch_stride + t * p.k_token_stride + h * p.k_head_stride;
-  const int64_t g_off = seq.batch * p.g_batch_stride + t * p.g_token_stride + hv * p.g_head_stride;
-  TokenRegs<D> r;
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const int ch = lane + 32 * m;
-    r.q[m] = to_float(q_ptr[ch]);
-    r.k[m] = to_float(k_ptr[ch]);
-    if (p.scalar_gate) {
-      r.g[m] = m == 0 ? load_any(p.g, p.g_dtype, g_off) : 0.f;
-      r.bias[m] = m == 0 && p.dt_bias != nullptr ? p.dt_bias[hv] : 0.f;
-    } else {
-      r.g[m] = load_any(p.g, p.g_dtype, g_off + ch);
-      r.bias[m] = p.dt_bias != nullptr ? p.dt_bias[int64_t(hv) * D + ch] : 0.f;
-    }
-  }
-  return r;
-}
-
-// Preprocesses a loaded token into the warp's scratch (q scaled and normalised, k normalised, the
-// decay); returns k·q of the staged vectors. `a` is exp(A_log[hv]) (1 without A_log).
-template <int D>
-__device__ __forceinline__ float finish_token(const RecurrentParams& p, const TokenRegs<D>& r, float a,
-                                              TokenScratch<D>& sc, int lane) {
-  constexpr int M = TokenRegs<D>::M;
-  float qq = 0.f, kk = 0.f, qk = 0.f, dr[M];
-  const float scalar_decay = p.scalar_gate ? __expf(log_decay(p, r.g[0], r.bias[0], a)) : 0.f;
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    qq += r.q[m] * r.q[m];
-    kk += r.k[m] * r.k[m];
-    qk += r.q[m] * r.k[m];
-    dr[m] = p.scalar_gate ? scalar_decay : __expf(log_decay(p, r.g[m], r.bias[m], a));
-  }
-  float q_scale = p.scale, k_scale = 1.f;
-  if (p.l2norm) {
-    q_scale *= rsqrtf(group_sum<32>(qq) + kL2NormEps);
-    k_scale = rsqrtf(group_sum<32>(kk) + kL2NormEps);
-  }
-  qk = group_sum<32>(qk);
-  __syncwarp();  // the previous token's scratch has been read by every lane of this warp
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const int ch = lane + 32 * m;
-    sc.q[ch] = r.q[m] * q_scale;
-    sc.k[ch] = r.k[m] * k_scale;
-    sc.decay[ch] = dr[m];
-  }
-  __syncwarp();
-  return qk * q_scale * k_scale;
-}
-
-template <typename Elem, int D>
-__device__ __forceinline__ float stage_token(const RecurrentParams& p, const Sequence& seq, int64_t t, int h, int hv,
-                                             float a, TokenScratch<D>& sc, int lane) {
-  return finish_token<D>(p, load_token<Elem, D>(p, seq, t, h, hv, lane), a, sc, lane);
 }
 
 template <int D>
@@ -310,7 +163,7 @@ __global__ void __launch_bounds__(VFirstShape<D>::kThreads, VFirstShape<D>::kMin
 #pragma unroll
     for (int j = 0; j < RPT; ++j) vv[j] = to_float(v_ptr[row0 + j * Shape::kRowsPerPass]);
     const float beta = beta_value(p, load_any(p.beta, p.beta_dtype, seq.batch * p.beta_batch_stride + t * p.beta_token_stride + hv));
-    const float kq = stage_token<Elem, D>(p, seq, t, h, hv, a, sc, lane);
+    const float kq = stage_token<Elem, D>(p, global_token<Elem, D>(p, seq.batch, t, h, hv), a, sc, lane);
 
     float sk[RPT], sq[RPT];
 #pragma unroll
@@ -433,7 +286,7 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMin
         continue;
       }
     }
-    const float kq = stage_token<Elem, D>(p, seq, t, h, hv, a, sc, lane);
+    const float kq = stage_token<Elem, D>(p, global_token<Elem, D>(p, seq.batch, t, h, hv), a, sc, lane);
 
     float sk = 0.f, sq = 0.f;
 #pragma unroll
@@ -466,6 +319,16 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMin
 template <typename Elem, int D>
 cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
+  if constexpr (D == kDecodeBulkHeadDim) {
+    if (p.state_v_first && p.decode_family != DecodeFamily::kSm80) {
+      // The sm_90 kernel takes the case when it covers it and the device has its code.
+      const DType state = p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype;
+      bool launched = false;
+      const cudaError_t err = state == DType::kBFloat16 ? run_decode_bulk<Elem, __nv_bfloat16>(p, stream, launched)
+                                                        : run_decode_bulk<Elem, float>(p, stream, launched);
+      if (err != cudaSuccess || launched) return err;
+    }
+  }
   if (p.state_v_first) {
     const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / VFirstShape<D>::kRows)));
     decode_step_vfirst<Elem, D><<<grid, VFirstShape<D>::kThreads, 0, stream>>>(p);

@@ -15,6 +15,15 @@ enum class GateMode : int32_t {
   kSoftplus = 2,     // -exp(A_log) * softplus(g + dt_bias)
 };
 
+// Which kernel family runs a decode step. The sm_90 family (decode_bulk.cuh) serves the V-first
+// cases it covers on devices with its code; everything else runs the sm_80 family
+// (recurrent_kernel.cuh), which runs everywhere.
+enum class DecodeFamily : int32_t {
+  kAuto = 0,   // sm_90 where it applies, else sm_80
+  kSm80 = 80,  // always sm_80
+  kSm90 = 90,  // sm_90 where it applies, else sm_80
+};
+
 struct RecurrentParams {
   // Token tensors; strides in elements, the last dimension contiguous. q, k, v and o share the
   // element type the kernel is instantiated for; g and beta have their own (g_dtype, beta_dtype).
@@ -64,6 +73,7 @@ struct RecurrentParams {
   DType state_in_dtype, state_out_dtype;  // float32 or bfloat16
   IndexType cu_type, idx_type, accepted_type;
   int32_t num_sms;            // of the current device, for the block-shape choice
+  DecodeFamily decode_family;
 };
 
 }  // namespace flashkda

@@ -44,6 +44,8 @@ __device__ __forceinline__ float load_any(const void* p, DType dt, int64_t i) {
   }
 }
 
+__host__ __device__ constexpr int dtype_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
 __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_t i) {
   return t == IndexType::kInt64 ? static_cast<const int64_t*>(p)[i]
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);

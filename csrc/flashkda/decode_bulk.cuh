@@ -1,0 +1,660 @@
+// Decode step for the V-first state layout on sm_90: a persistent, warp-specialised kernel that
+// streams state tiles through a ring of shared-memory stages with bulk copies (cp.async.bulk) and
+// mbarriers. Same results as decode_step_vfirst (recurrent_kernel.cuh), which serves every case
+// this kernel does not cover (run_decode_bulk decides).
+//
+// Why: a decode step reads and writes the whole state once, so it is bound by HBM bandwidth. In the
+// one-block-per-tile kernel each block waits a memory latency for its slot index (and the token
+// vectors) before its state load goes out, which leaves too few bytes in flight. Here one producer
+// warp resolves the slots of 32 work items at once (one latency for all of them) and keeps the bulk
+// loads of several items in flight, while four consumer warps update the tiles that have landed
+// and write them back with bulk stores.
+//
+// Work item: (sequence n, value head hv, block of kRows value rows). In the V-first layout those
+// rows are one contiguous range of kRows * D state elements: one bulk copy in, one out (a slice per
+// consumer warp). The first token's q, k, gate and dt_bias rows and v slice travel in the same
+// stage when they are 16-byte aligned, so a T = 1 step finds everything in shared memory; later
+// tokens of longer sequences are read from global memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "api.h"
+#include "recurrent_common.cuh"
+#include "recurrent_params.h"
+#include "token_math.cuh"
+
+// The kernel's device code exists only in sm_90+ compilation passes; the sm_80 pass compiles an
+// empty body, which the host never launches (run_decode_bulk checks the binary's architecture).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FLASHKDA_DECODE_BULK_DEVICE 1
+#else
+#define FLASHKDA_DECODE_BULK_DEVICE 0
+#endif
+
+namespace flashkda {
+namespace decode_bulk {
+
+// sm_90 shared memory per SM and the part the hardware reserves per resident block.
+constexpr int kSmemPerSm = 228 * 1024;
+constexpr int kSmemReservedPerBlock = 1024;
+
+// Value rows per work item: 16 KB of fp32 or 8 KB of bf16 state, one contiguous range.
+constexpr int kItemRows = 32;
+
+// Mean tokens per sequence up to which this kernel takes a call (decode, speculative verification).
+// A long sequence is a chain of token latencies in either kernel, and the sm_80 kernel keeps more
+// such chains per SM in flight (8 blocks against 2-3 here).
+constexpr int kMaxMeanTokens = 8;
+
+constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
+
+// What the producer resolved about one work item; lives in its stage.
+struct StageHeader {
+  int64_t batch, bos, len;  // tokens [bos, bos + len) of batch row `batch`
+  int64_t read_slot;        // state slot loaded into the tile, -1: none (zeros)
+  int64_t write_slot;       // slot that receives the final state, -1: none
+  uint32_t flags;           // StageFlags
+  float beta;               // first token's raw beta
+  float a;                  // exp(A_log[hv]), 1 without A_log
+  float g, bias;            // first token's gate and dt_bias with a scalar gate (GDN)
+};
+
+enum StageFlags : uint32_t {
+  kSkip = 1,    // padding slot: zero output, no state traffic
+  kLoaded = 2,  // the tile holds the state of read_slot (else the state starts at zero)
+  kStaged = 4,  // the first token's vectors are in the stage
+};
+
+template <typename Elem, typename StateT>
+struct Shape {
+  static constexpr int D = kDecodeBulkHeadDim;
+  static constexpr int kRows = kItemRows;
+  static constexpr int kBlocksV = D / kRows;
+  static constexpr int kConsumerWarps = 4;
+  static constexpr int kThreads = 32 * (kConsumerWarps + 1);  // + the producer warp
+  static constexpr int kRowsPerWarp = kRows / kConsumerWarps;
+  // A row of K spans 8 lanes, 16 bytes of state per shared-memory access: a quarter warp reads 128
+  // contiguous bytes of one row, free of bank conflicts, and reductions over K are 3 shuffles.
+  static constexpr int kLanesK = 8;
+  static constexpr int kVec = 16 / int(sizeof(StateT));  // state elements per access
+  static constexpr int kChunks = D / (kVec * kLanesK);   // accesses per lane and row
+  static constexpr int kRowsPerPass = 32 / kLanesK;
+  static constexpr int kRowsPerThread = kRowsPerWarp / kRowsPerPass;
+
+  // Stage: state tile, then the first token's vectors, then the header (byte offsets).
+  static constexpr int kTileBytes = kRows * D * int(sizeof(StateT));
+  static constexpr int kWarpTileBytes = kTileBytes / kConsumerWarps;
+  static constexpr int kQ = kTileBytes;
+  static constexpr int kK = kQ + D * int(sizeof(Elem));
+  static constexpr int kG = kK + D * int(sizeof(Elem));
+  static constexpr int kBias = kG + D * int(sizeof(float));  // room for an fp32 gate row
+  static constexpr int kV = kBias + D * int(sizeof(float));
+  static constexpr int kHeader = round_up(kV + kRows * int(sizeof(Elem)), 16);
+  static constexpr int kStageBytes = round_up(kHeader + int(sizeof(StageHeader)), 128);
+
+  // Block: barriers, the consumer warps' token scratch, the stages.
+  static constexpr int kBarrierBytes = 256;
+  static constexpr int kScratch = kBarrierBytes;
+  static constexpr int kStagesAt = round_up(kScratch + kConsumerWarps * int(sizeof(recurrent::TokenScratch<D>)), 128);
+  // A bf16 tile is half the bytes of an fp32 one, so tiles arrive twice as often: one more block
+  // (consumer warps) per SM keeps pace. The rest of the shared memory goes to stages, so that
+  // several loads per block are in flight.
+  static constexpr int kBlocksPerSm = sizeof(StateT) == 4 ? 2 : 3;
+  static constexpr int kStages = (kSmemPerSm / kBlocksPerSm - kSmemReservedPerBlock - kStagesAt) / kStageBytes;
+  static constexpr int kSmemBytes = kStagesAt + kStages * kStageBytes;
+
+  static_assert(std::is_same<StateT, float>::value || std::is_same<StateT, __nv_bfloat16>::value, "state: fp32 or bf16");
+  static_assert(kRowsPerThread * kRowsPerPass == kRowsPerWarp && kChunks * kVec * kLanesK == D, "bad tiling");
+  static_assert(kWarpTileBytes % 16 == 0 && kQ % 16 == 0 && kV % 16 == 0, "bulk copies move 16-byte units");
+  static_assert(2 * kStages * int(sizeof(uint64_t)) <= kBarrierBytes, "barrier region too small");
+  // The consumer releases a stage one item late (after its next store), so two stages are always
+  // held; fewer than four would leave at most one load in flight.
+  static_assert(kStages >= 4, "too few stages");
+};
+
+// Run-time facts of one launch.
+struct Plan {
+  uint32_t num_items;  // N * HV * kBlocksV
+  bool stage_tokens;   // the token rows are 16-byte aligned: the first token travels by bulk copy
+};
+
+struct ItemCoords {
+  int n, hv, vblock;
+};
+
+// Items are numbered value block fastest, then head, then sequence.
+template <int kBlocksV>
+__device__ __forceinline__ ItemCoords item_coords(const RecurrentParams& p, uint32_t item) {
+  ItemCoords c;
+  c.vblock = int(item % kBlocksV);
+  const uint32_t rest = item / kBlocksV;
+  c.hv = int(rest % uint32_t(p.HV));
+  c.n = int(rest / uint32_t(p.HV));
+  return c;
+}
+
+#if FLASHKDA_DECODE_BULK_DEVICE
+namespace ptx {
+
+__device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
+}
+
+// Makes the initialised barriers visible to the async proxy (the bulk copies) too.
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(bar)), "r"(bytes) : "memory");
+}
+
+// Waits until the barrier's phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// State tiles are read once and written once per step: evict-first keeps them from displacing the
+// token vectors in L2 (as the .cs accesses of the sm_80 kernel do).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem(dst)),
+               "l"(src), "r"(bytes), "r"(smem(bar))
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          smem(dst)),
+      "l"(src), "r"(bytes), "r"(smem(bar)), "l"(policy)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes, uint64_t policy) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(dst), "r"(smem(src)),
+               "r"(bytes), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Until at most N of this thread's bulk-store groups are still reading shared memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// Orders this thread's generic-proxy shared-memory writes before later bulk copies read them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+}  // namespace ptx
+
+// N consecutive floats of shared memory, 16 bytes per access.
+template <int N>
+__device__ __forceinline__ void read_floats(const float* src, float (&x)[N]) {
+  static_assert(N % 4 == 0, "16-byte accesses");
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src + i);
+    x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+  }
+}
+
+// 16 bytes of state in shared memory <-> fp32.
+template <int kVec>
+__device__ __forceinline__ void load16(const float* src, float (&x)[kVec]) {
+  read_floats(src, x);
+}
+template <int kVec>
+__device__ __forceinline__ void load16(const __nv_bfloat16* src, float (&x)[kVec]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int e = 0; e < kVec / 2; ++e) {
+    const float2 f = __bfloat1622float2(h[e]);
+    x[2 * e] = f.x, x[2 * e + 1] = f.y;
+  }
+}
+template <int kVec>
+__device__ __forceinline__ void store16(float* dst, const float (&x)[kVec]) {
+  *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+}
+template <int kVec>
+__device__ __forceinline__ void store16(__nv_bfloat16* dst, const float (&x)[kVec]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int e = 0; e < kVec / 2; ++e) h[e] = __floats2bfloat162_rn(x[2 * e], x[2 * e + 1]);
+  *reinterpret_cast<uint4*>(dst) = raw;
+}
+
+template <typename Elem, typename StateT>
+__device__ __forceinline__ StageHeader plan_item(const RecurrentParams& p, const Plan& plan, uint32_t item) {
+  using S = Shape<Elem, StateT>;
+  const ItemCoords c = item_coords<S::kBlocksV>(p, item);
+  const recurrent::Sequence seq = recurrent::resolve_sequence(p, c.n);
+  StageHeader h;
+  h.batch = seq.batch;
+  h.bos = seq.bos;
+  h.len = seq.len;
+  h.write_slot = recurrent::final_slot(p, c.n, seq);
+  // A zero-length sequence passes its state through: nothing moves when it stays in place.
+  if (seq.len == 0 && p.state_in == p.state_out && seq.read_slot == h.write_slot) h.write_slot = -1;
+  const bool needs_state = !seq.skip && (seq.len > 0 || h.write_slot >= 0);
+  h.read_slot = needs_state ? seq.read_slot : -1;
+  const bool has_tokens = !seq.skip && seq.len > 0;
+  h.flags = (seq.skip ? kSkip : 0u) | (h.read_slot >= 0 ? kLoaded : 0u) | (plan.stage_tokens && has_tokens ? kStaged : 0u);
+  h.a = p.A_log != nullptr ? __expf(p.A_log[c.hv]) : 1.f;
+  h.beta = h.g = h.bias = 0.f;
+  if (has_tokens) {
+    h.beta = load_any(p.beta, p.beta_dtype, seq.batch * p.beta_batch_stride + seq.bos * p.beta_token_stride + c.hv);
+    if (p.scalar_gate) {
+      h.g = load_any(p.g, p.g_dtype, seq.batch * p.g_batch_stride + seq.bos * p.g_token_stride + c.hv * p.g_head_stride);
+      h.bias = p.dt_bias != nullptr ? p.dt_bias[c.hv] : 0.f;
+    }
+  }
+  return h;
+}
+
+__device__ __forceinline__ StageHeader shfl_header(const StageHeader& h, int src) {
+  constexpr unsigned kAll = 0xffffffffu;
+  StageHeader r;
+  r.batch = __shfl_sync(kAll, h.batch, src);
+  r.bos = __shfl_sync(kAll, h.bos, src);
+  r.len = __shfl_sync(kAll, h.len, src);
+  r.read_slot = __shfl_sync(kAll, h.read_slot, src);
+  r.write_slot = __shfl_sync(kAll, h.write_slot, src);
+  r.flags = __shfl_sync(kAll, h.flags, src);
+  r.beta = __shfl_sync(kAll, h.beta, src);
+  r.a = __shfl_sync(kAll, h.a, src);
+  r.g = __shfl_sync(kAll, h.g, src);
+  r.bias = __shfl_sync(kAll, h.bias, src);
+  return r;
+}
+
+// Producer warp: the lanes resolve 32 items at once, then lane 0 hands them to the stages in order,
+// issuing each item's bulk loads as soon as its stage is free.
+template <typename Elem, typename StateT>
+__device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& plan, unsigned char* smem, uint64_t* full,
+                                        uint64_t* empty, int lane) {
+  using S = Shape<Elem, StateT>;
+  constexpr int D = S::D;
+  const uint64_t evict_first = ptx::evict_first_policy();
+  // Bytes of the first token's staged vectors; zero-sized rows are not staged.
+  const uint32_t qk_row = D * sizeof(Elem), v_slice = S::kRows * sizeof(Elem);
+  const uint32_t g_row = p.scalar_gate ? 0 : D * dtype_bytes(p.g_dtype);
+  const uint32_t bias_row = p.scalar_gate || p.dt_bias == nullptr ? 0 : D * sizeof(float);
+  const uint32_t token_bytes = 2 * qk_row + v_slice + g_row + bias_row;
+  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const uint32_t grid = gridDim.x;
+
+  int stage = 0;
+  uint32_t phase = 0;
+  for (uint32_t base = blockIdx.x; base < plan.num_items; base += 32 * grid) {
+    const uint32_t mine = base + lane * grid;
+    StageHeader own{};
+    if (mine < plan.num_items) own = plan_item<Elem, StateT>(p, plan, mine);
+    const int count = int(std::min<uint32_t>(32, (plan.num_items - base + grid - 1) / grid));
+    for (int j = 0; j < count; ++j) {
+      const StageHeader h = shfl_header(own, j);
+      if (lane == 0) {
+        const ItemCoords c = item_coords<S::kBlocksV>(p, base + j * grid);
+        unsigned char* st = smem + S::kStagesAt + stage * S::kStageBytes;
+        ptx::mbar_wait(&empty[stage], phase ^ 1);
+        *reinterpret_cast<StageHeader*>(st + S::kHeader) = h;
+        const uint32_t bytes = (h.flags & kLoaded ? S::kTileBytes : 0) + (h.flags & kStaged ? token_bytes : 0);
+        if (bytes == 0) {
+          ptx::mbar_arrive(&full[stage]);
+        } else {
+          ptx::mbar_arrive_expect_tx(&full[stage], bytes);
+          if (h.flags & kLoaded) {
+            const StateT* src = static_cast<const StateT*>(p.state_in) + h.read_slot * slot_elems +
+                                int64_t(c.hv) * D * D + int64_t(c.vblock) * S::kRows * D;
+            ptx::bulk_load(st, src, S::kTileBytes, &full[stage], evict_first);
+          }
+          if (h.flags & kStaged) {
+            const int hk = c.hv / (p.HV / p.H);
+            const recurrent::TokenSrc<Elem> tok = recurrent::global_token<Elem, D>(p, h.batch, h.bos, hk, c.hv);
+            const Elem* v = static_cast<const Elem*>(p.v) + h.batch * p.v_batch_stride + h.bos * p.v_token_stride +
+                            int64_t(c.hv) * p.v_head_stride + c.vblock * S::kRows;
+            ptx::bulk_load(st + S::kQ, tok.q, qk_row, &full[stage]);
+            ptx::bulk_load(st + S::kK, tok.k, qk_row, &full[stage]);
+            ptx::bulk_load(st + S::kV, v, v_slice, &full[stage]);
+            if (g_row != 0) ptx::bulk_load(st + S::kG, tok.g, g_row, &full[stage]);
+            if (bias_row != 0) ptx::bulk_load(st + S::kBias, tok.bias, bias_row, &full[stage]);
+          }
+        }
+      }
+      if (++stage == S::kStages) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// Consumer warps: warp w owns rows [w * kRowsPerWarp, (w + 1) * kRowsPerWarp) of every tile and
+// stores them itself, so the consumers never wait for each other.
+template <typename Elem, typename StateT>
+__device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& plan, unsigned char* smem, uint64_t* full,
+                                        uint64_t* empty, int warp, int lane) {
+  using S = Shape<Elem, StateT>;
+  constexpr int D = S::D, TK = S::kLanesK, VEC = S::kVec, CH = S::kChunks, RPT = S::kRowsPerThread;
+  recurrent::TokenScratch<D>& sc = reinterpret_cast<recurrent::TokenScratch<D>*>(smem + S::kScratch)[warp];
+  const int lane_k = lane % TK;
+  const int row0 = warp * S::kRowsPerWarp + lane / TK;  // this thread's rows of a tile: row0 + j * kRowsPerPass
+  const uint64_t evict_first = ptx::evict_first_policy();
+  const int64_t slot_elems = int64_t(p.HV) * D * D;
+
+  int stage = 0, pending = -1;  // pending: stage whose bulk store may still be reading shared memory
+  uint32_t phase = 0;
+  for (uint32_t item = blockIdx.x; item < plan.num_items; item += gridDim.x) {
+    unsigned char* st = smem + S::kStagesAt + stage * S::kStageBytes;
+    StateT* tile = reinterpret_cast<StateT*>(st);
+    const StageHeader* hdr = reinterpret_cast<const StageHeader*>(st + S::kHeader);
+    ptx::mbar_wait(&full[stage], phase);
+    const StageHeader h = *hdr;
+    const ItemCoords c = item_coords<S::kBlocksV>(p, item);
+    const int hv = c.hv, hk = hv / (p.HV / p.H), v0 = c.vblock * S::kRows;
+    Elem* o_rows = static_cast<Elem*>(p.o) + h.batch * p.o_batch_stride + int64_t(hv) * p.o_head_stride + v0 + row0;
+    bool stored = false;
+
+    if (h.flags & kSkip) {
+      if (lane_k == 0)
+        for (int64_t i = 0; i < h.len; ++i)
+#pragma unroll
+          for (int j = 0; j < RPT; ++j) o_rows[(h.bos + i) * p.o_token_stride + j * S::kRowsPerPass] = from_float<Elem>(0.f);
+    } else {
+      float Sr[RPT][CH][VEC];
+#pragma unroll
+      for (int j = 0; j < RPT; ++j)
+#pragma unroll
+        for (int ci = 0; ci < CH; ++ci) {
+          if (h.flags & kLoaded) {
+            load16<VEC>(tile + (row0 + j * S::kRowsPerPass) * D + ci * VEC * TK + lane_k * VEC, Sr[j][ci]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) Sr[j][ci][e] = 0.f;
+          }
+        }
+
+      float o_last[RPT];  // the last token's output, written after the tile store is issued
+      for (int64_t i = 0; i < h.len; ++i) {
+        const int64_t t = h.bos + i;
+        recurrent::TokenSrc<Elem> src = recurrent::global_token<Elem, D>(p, h.batch, t, hk, hv);
+        const Elem* v_rows = static_cast<const Elem*>(p.v) + h.batch * p.v_batch_stride + t * p.v_token_stride +
+                             int64_t(hv) * p.v_head_stride + v0 + row0;
+        float beta_raw;
+        if (i == 0) {  // the producer fetched the first token's scalars, and its vectors when staged
+          beta_raw = h.beta;
+          if (p.scalar_gate) {
+            src.g = &hdr->g;
+            src.g_dtype = DType::kFloat32;
+            src.bias = &hdr->bias;
+          }
+          if (h.flags & kStaged) {
+            src.q = reinterpret_cast<const Elem*>(st + S::kQ);
+            src.k = reinterpret_cast<const Elem*>(st + S::kK);
+            v_rows = reinterpret_cast<const Elem*>(st + S::kV) + row0;
+            if (!p.scalar_gate) {
+              src.g = st + S::kG;
+              if (src.bias != nullptr) src.bias = reinterpret_cast<const float*>(st + S::kBias);
+            }
+          }
+        } else {
+          beta_raw = load_any(p.beta, p.beta_dtype, h.batch * p.beta_batch_stride + t * p.beta_token_stride + hv);
+        }
+        float vv[RPT];
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) vv[j] = to_float(v_rows[j * S::kRowsPerPass]);
+        const float beta = beta_value(p, beta_raw);
+        const float kq = recurrent::stage_token<Elem, D>(p, src, h.a, sc, lane);
+
+        // S_d = S * decay;  S_d k and S_d q in one sweep;  o = S_d q + u (k . q)  with
+        // u = beta (v - S_d k);  S = S_d + u k^T.
+        float sk[RPT], sq[RPT];
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) sk[j] = sq[j] = 0.f;
+#pragma unroll
+        for (int ci = 0; ci < CH; ++ci) {
+          const int ch = ci * VEC * TK + lane_k * VEC;
+          float d[VEC], kv[VEC], qv[VEC];
+          read_floats(&sc.decay[ch], d);
+          read_floats(&sc.k[ch], kv);
+          read_floats(&sc.q[ch], qv);
+#pragma unroll
+          for (int j = 0; j < RPT; ++j)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+              Sr[j][ci][e] *= d[e];
+              sk[j] += Sr[j][ci][e] * kv[e];
+              sq[j] += Sr[j][ci][e] * qv[e];
+            }
+        }
+        float u[RPT];
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) {
+          sk[j] = recurrent::group_sum<TK>(sk[j]);
+          sq[j] = recurrent::group_sum<TK>(sq[j]);
+          u[j] = beta * (vv[j] - sk[j]);
+          o_last[j] = sq[j] + u[j] * kq;
+          if (lane_k == 0 && i + 1 < h.len) o_rows[t * p.o_token_stride + j * S::kRowsPerPass] = from_float<Elem>(o_last[j]);
+        }
+#pragma unroll
+        for (int ci = 0; ci < CH; ++ci) {
+          const int ch = ci * VEC * TK + lane_k * VEC;
+          float kv[VEC];
+          read_floats(&sc.k[ch], kv);
+#pragma unroll
+          for (int j = 0; j < RPT; ++j)
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) Sr[j][ci][e] += kv[e] * u[j];
+        }
+      }
+
+      if (h.write_slot >= 0) {
+#pragma unroll
+        for (int j = 0; j < RPT; ++j)
+#pragma unroll
+          for (int ci = 0; ci < CH; ++ci)
+            store16<VEC>(tile + (row0 + j * S::kRowsPerPass) * D + ci * VEC * TK + lane_k * VEC, Sr[j][ci]);
+        ptx::fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) {
+          StateT* dst = static_cast<StateT*>(p.state_out) + h.write_slot * slot_elems + int64_t(hv) * D * D +
+                        int64_t(v0 + warp * S::kRowsPerWarp) * D;
+          ptx::bulk_store(dst, tile + warp * S::kRowsPerWarp * D, S::kWarpTileBytes, evict_first);
+        }
+        stored = true;
+      }
+      // After the proxy fence, which then need not wait for these stores.
+      if (lane_k == 0 && h.len > 0)
+#pragma unroll
+        for (int j = 0; j < RPT; ++j)
+          o_rows[(h.bos + h.len - 1) * p.o_token_stride + j * S::kRowsPerPass] = from_float<Elem>(o_last[j]);
+    }
+
+    // Every lane is done with the stage; it goes back to the producer once no store reads it. A
+    // stored stage is released one item late, so that waiting for its store costs nothing.
+    __syncwarp();
+    if (lane == 0) {
+      if (stored) {
+        ptx::bulk_commit();
+        ptx::bulk_wait_read<1>();
+        if (pending >= 0) ptx::mbar_arrive(&empty[pending]);
+        pending = stage;
+      } else {
+        if (pending >= 0) {
+          ptx::bulk_wait_read<0>();
+          ptx::mbar_arrive(&empty[pending]);
+          pending = -1;
+        }
+        ptx::mbar_arrive(&empty[stage]);
+      }
+    }
+    if (++stage == S::kStages) stage = 0, phase ^= 1;
+  }
+  if (lane == 0) ptx::bulk_wait_all();
+}
+#endif  // FLASHKDA_DECODE_BULK_DEVICE
+
+template <typename Elem, typename StateT>
+__global__ void __launch_bounds__(Shape<Elem, StateT>::kThreads, Shape<Elem, StateT>::kBlocksPerSm)
+    decode_step_bulk(const RecurrentParams p, const Plan plan) {
+#if FLASHKDA_DECODE_BULK_DEVICE
+  using S = Shape<Elem, StateT>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // tile and token bytes landed
+  uint64_t* empty = full + S::kStages;                 // every consumer warp is done with the stage
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S::kStages; ++s) {
+      ptx::mbar_init(&full[s], 1);
+      ptx::mbar_init(&empty[s], S::kConsumerWarps);
+    }
+    ptx::fence_mbar_init();
+  }
+  __syncthreads();
+  if (warp == S::kConsumerWarps) {
+    produce<Elem, StateT>(p, plan, smem, full, empty, lane);
+  } else {
+    consume<Elem, StateT>(p, plan, smem, full, empty, warp, lane);
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------------------------
+
+template <typename StateT>
+constexpr DType state_dtype() {
+  return std::is_same<StateT, float>::value ? DType::kFloat32 : DType::kBFloat16;
+}
+
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// A stride keeps 16-byte aligned rows aligned, or is never taken (extent 1).
+inline bool stride_ok(int64_t stride, int elem_bytes, int64_t extent) {
+  return extent <= 1 || (stride * elem_bytes) % 16 == 0;
+}
+
+// The cases this kernel serves: decode-sized calls (kMaxMeanTokens), one slot per sequence, one
+// state dtype; the bulk copies need 16-byte aligned state tensors.
+template <typename StateT>
+bool covers(const RecurrentParams& p) {
+  constexpr DType kState = state_dtype<StateT>();
+  constexpr int kBlocksV = kDecodeBulkHeadDim / kItemRows;
+  if (p.D != kDecodeBulkHeadDim || !p.state_v_first) return false;
+  if (p.slot_indices != nullptr && p.idx_cols > 0) return false;  // per-token slots
+  if (p.H <= 0 || p.HV % p.H != 0) return false;
+  if (int64_t(p.N) * p.HV * kBlocksV >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
+  const int64_t tokens = p.cu_seqlens != nullptr ? int64_t(p.T) : int64_t(p.B) * p.T;
+  if (tokens > int64_t(kMaxMeanTokens) * p.N) return false;
+  if (p.state_in != nullptr && (p.state_in_dtype != kState || !aligned16(p.state_in))) return false;
+  if (p.state_out != nullptr && (p.state_out_dtype != kState || !aligned16(p.state_out))) return false;
+  return true;
+}
+
+// Whether the first token's rows can travel by bulk copy (16-byte aligned starts).
+template <typename Elem>
+bool tokens_stageable(const RecurrentParams& p) {
+  constexpr int e = sizeof(Elem);
+  auto rows_ok = [&](const void* ptr, int bytes, int64_t sb, int64_t st, int64_t sh, int64_t heads) {
+    return aligned16(ptr) && stride_ok(sb, bytes, p.B) && stride_ok(st, bytes, p.T) && stride_ok(sh, bytes, heads);
+  };
+  bool ok = rows_ok(p.q, e, p.q_batch_stride, p.q_token_stride, p.q_head_stride, p.H) &&
+            rows_ok(p.k, e, p.k_batch_stride, p.k_token_stride, p.k_head_stride, p.H) &&
+            rows_ok(p.v, e, p.v_batch_stride, p.v_token_stride, p.v_head_stride, p.HV);
+  if (!p.scalar_gate) {
+    ok = ok && rows_ok(p.g, dtype_bytes(p.g_dtype), p.g_batch_stride, p.g_token_stride, p.g_head_stride, p.HV);
+    ok = ok && (p.dt_bias == nullptr || aligned16(p.dt_bias));
+  }
+  return ok;
+}
+
+// Resident blocks per SM on the current device, or 0 when the device has no sm_90 code of the
+// kernel (an sm_80-only build, or an older GPU). Queried once per device, which also sets the
+// kernel's shared-memory attributes there.
+template <typename Elem, typename StateT>
+int blocks_per_sm() {
+  using S = Shape<Elem, StateT>;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // blocks + 1; 0: not queried yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
+    return known[device].load(std::memory_order_relaxed) - 1;
+  const auto kernel = decode_step_bulk<Elem, StateT>;
+  cudaFuncAttributes attr;
+  int blocks = 0;
+  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+                  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) == cudaSuccess &&
+                  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                       int(cudaSharedmemCarveoutMaxShared)) == cudaSuccess &&
+                  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, S::kThreads, S::kSmemBytes) == cudaSuccess;
+  if (!ok) {
+    (void)cudaGetLastError();  // no usable image: the caller runs the sm_80 kernel instead
+    blocks = 0;
+  }
+  if (device < kMaxDevices) known[device].store(blocks + 1, std::memory_order_relaxed);
+  return blocks;
+}
+
+}  // namespace decode_bulk
+
+template <typename Elem, typename StateT>
+cudaError_t run_decode_bulk(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
+  using S = decode_bulk::Shape<Elem, StateT>;
+  launched = false;
+  if (!decode_bulk::covers<StateT>(p)) return cudaSuccess;
+  const int per_sm = decode_bulk::blocks_per_sm<Elem, StateT>();
+  if (per_sm == 0) return cudaSuccess;
+  launched = true;
+  if (p.N == 0) return cudaSuccess;
+  int sms = p.num_sms;
+  if (sms <= 0) {
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+  }
+  decode_bulk::Plan plan;
+  plan.num_items = uint32_t(int64_t(p.N) * p.HV * S::kBlocksV);
+  plan.stage_tokens = decode_bulk::tokens_stageable<Elem>(p);
+  const unsigned grid = unsigned(std::min<int64_t>(plan.num_items, int64_t(sms) * per_sm));
+  decode_bulk::decode_step_bulk<Elem, StateT><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p, plan);
+  return cudaGetLastError();
+}
+
+}  // namespace flashkda

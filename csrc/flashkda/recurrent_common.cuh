@@ -1,0 +1,188 @@
+// Pieces shared by the decode kernels (recurrent_kernel.cuh for every device, decode_bulk.cuh for
+// sm_90): which tokens and state slots a sequence uses, and the per-token preprocessing of q, k and
+// the gate into a warp's shared-memory scratch. Device-only, framework-free.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "constants.h"
+#include "recurrent_params.h"
+#include "token_math.cuh"
+
+namespace flashkda {
+namespace recurrent {
+
+// ---------------------------------------------------------------------------------------------
+// Which tokens and which slots a sequence uses
+// ---------------------------------------------------------------------------------------------
+
+struct Sequence {
+  int64_t batch;      // batch row of the token tensors
+  int64_t bos;        // first token within that row
+  int64_t len;        // number of tokens
+  int64_t read_slot;  // state slot to start from; -1: zeros
+  bool skip;          // padding sequence: zero output, no state traffic
+};
+
+__device__ __forceinline__ bool slot_ok(const RecurrentParams& p, int64_t s) {
+  return s >= 0 && s < p.num_slots;
+}
+
+__device__ __forceinline__ Sequence resolve_sequence(const RecurrentParams& p, int n) {
+  Sequence s;
+  if (p.cu_seqlens != nullptr) {
+    s.batch = 0;
+    s.bos = load_index(p.cu_seqlens, p.cu_type, n);
+    s.len = load_index(p.cu_seqlens, p.cu_type, n + 1) - s.bos;
+    if (s.len < 0) s.len = 0;  // out-of-order offsets never index memory
+  } else {
+    s.batch = n;
+    s.bos = 0;
+    s.len = p.T;
+  }
+  s.skip = false;
+  s.read_slot = p.state_in != nullptr ? n : -1;
+  if (p.slot_indices != nullptr) {
+    int64_t col = 0;
+    if (p.idx_cols > 0 && p.num_accepted != nullptr) {
+      col = load_index(p.num_accepted, p.accepted_type, n) - 1;
+    }
+    const bool col_ok = p.idx_cols == 0 ? true : (col >= 0 && col < p.idx_cols);
+    const int64_t slot = col_ok ? load_index(p.slot_indices, p.idx_type, n * p.idx_row_stride + col) : -1;
+    s.skip = !slot_ok(p, slot);
+    s.read_slot = s.skip ? -1 : slot;
+  }
+  return s;
+}
+
+// Slot written after token i (per-token mode), -1 for a padding token.
+__device__ __forceinline__ int64_t token_slot(const RecurrentParams& p, int n, int64_t i) {
+  if (i >= p.idx_cols) return -1;
+  const int64_t slot = load_index(p.slot_indices, p.idx_type, n * p.idx_row_stride + i);
+  return slot_ok(p, slot) ? slot : -1;
+}
+
+// Slot written after the last token (per-sequence modes), -1 for none.
+__device__ __forceinline__ int64_t final_slot(const RecurrentParams& p, int n, const Sequence& s) {
+  if (p.state_out == nullptr || s.skip) return -1;
+  if (p.slot_indices != nullptr) return s.len > 0 ? s.read_slot : -1;  // zero-length: untouched
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token vectors. Every warp stages the preprocessed q, k and decay of the current token in its own
+// shared-memory scratch (lane l computes channels l, l+32, ...): loads are coalesced, the l2 norms
+// are warp reductions, and no block-wide barrier is needed. Redundant across warps, but tiny next
+// to the state traffic.
+// ---------------------------------------------------------------------------------------------
+
+template <int W>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int m = 1; m < W; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+template <int D>
+struct TokenScratch {
+  float q[D];      // scale * q / |q|
+  float k[D];      // k / |k|
+  float decay[D];  // exp(log decay)
+};
+
+// The raw values of one token that a lane preprocesses (channels lane, lane + 32, ...).
+template <int D>
+struct TokenRegs {
+  static constexpr int M = D / 32;  // channels per lane: lane, lane + 32, ...
+  float q[M], k[M], g[M], bias[M];  // g[0] / bias[0] only with a scalar gate
+};
+
+// Where one token's q, k and gate come from: rows of the token tensors in global memory, or copies
+// of them in shared memory (decode_bulk.cuh stages the first token of a work item). Generic
+// pointers serve both.
+template <typename Elem>
+struct TokenSrc {
+  const Elem* q;      // [D]
+  const Elem* k;      // [D]
+  const void* g;      // [D] of g_dtype, or one value with a scalar gate
+  DType g_dtype;
+  const float* bias;  // [D], or one value with a scalar gate; nullptr: zero bias
+};
+
+// Token t of batch row `batch`, key head h, value head hv, in global memory.
+template <typename Elem, int D>
+__device__ __forceinline__ TokenSrc<Elem> global_token(const RecurrentParams& p, int64_t batch, int64_t t, int h,
+                                                       int hv) {
+  TokenSrc<Elem> s;
+  s.q = static_cast<const Elem*>(p.q) + batch * p.q_batch_stride + t * p.q_token_stride + h * p.q_head_stride;
+  s.k = static_cast<const Elem*>(p.k) + batch * p.k_batch_stride + t * p.k_token_stride + h * p.k_head_stride;
+  s.g = static_cast<const char*>(p.g) +
+        (batch * p.g_batch_stride + t * p.g_token_stride + hv * p.g_head_stride) * dtype_bytes(p.g_dtype);
+  s.g_dtype = p.g_dtype;
+  s.bias = p.dt_bias == nullptr ? nullptr : p.dt_bias + (p.scalar_gate ? int64_t(hv) : int64_t(hv) * D);
+  return s;
+}
+
+template <typename Elem, int D>
+__device__ __forceinline__ TokenRegs<D> load_token(const RecurrentParams& p, const TokenSrc<Elem>& s, int lane) {
+  constexpr int M = TokenRegs<D>::M;
+  TokenRegs<D> r;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int ch = lane + 32 * m;
+    r.q[m] = to_float(s.q[ch]);
+    r.k[m] = to_float(s.k[ch]);
+    if (p.scalar_gate) {
+      r.g[m] = m == 0 ? load_any(s.g, s.g_dtype, 0) : 0.f;
+      r.bias[m] = m == 0 && s.bias != nullptr ? s.bias[0] : 0.f;
+    } else {
+      r.g[m] = load_any(s.g, s.g_dtype, ch);
+      r.bias[m] = s.bias != nullptr ? s.bias[ch] : 0.f;
+    }
+  }
+  return r;
+}
+
+// Preprocesses a loaded token into the warp's scratch (q scaled and normalised, k normalised, the
+// decay); returns k·q of the staged vectors. `a` is exp(A_log[hv]) (1 without A_log).
+template <int D>
+__device__ __forceinline__ float finish_token(const RecurrentParams& p, const TokenRegs<D>& r, float a,
+                                              TokenScratch<D>& sc, int lane) {
+  constexpr int M = TokenRegs<D>::M;
+  float qq = 0.f, kk = 0.f, qk = 0.f, dr[M];
+  const float scalar_decay = p.scalar_gate ? __expf(log_decay(p, r.g[0], r.bias[0], a)) : 0.f;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    qq += r.q[m] * r.q[m];
+    kk += r.k[m] * r.k[m];
+    qk += r.q[m] * r.k[m];
+    dr[m] = p.scalar_gate ? scalar_decay : __expf(log_decay(p, r.g[m], r.bias[m], a));
+  }
+  float q_scale = p.scale, k_scale = 1.f;
+  if (p.l2norm) {
+    q_scale *= rsqrtf(group_sum<32>(qq) + kL2NormEps);
+    k_scale = rsqrtf(group_sum<32>(kk) + kL2NormEps);
+  }
+  qk = group_sum<32>(qk);
+  __syncwarp();  // the previous token's scratch has been read by every lane of this warp
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int ch = lane + 32 * m;
+    sc.q[ch] = r.q[m] * q_scale;
+    sc.k[ch] = r.k[m] * k_scale;
+    sc.decay[ch] = dr[m];
+  }
+  __syncwarp();
+  return qk * q_scale * k_scale;
+}
+
+template <typename Elem, int D>
+__device__ __forceinline__ float stage_token(const RecurrentParams& p, const TokenSrc<Elem>& src, float a,
+                                             TokenScratch<D>& sc, int lane) {
+  return finish_token<D>(p, load_token<Elem, D>(p, src, lane), a, sc, lane);
+}
+
+}  // namespace recurrent
+}  // namespace flashkda

@@ -1,0 +1,140 @@
+"""The sm_90 decode kernel (csrc/flashkda/decode_bulk.cuh) against the sm_80 one and the fp64 oracle.
+
+Sizes give every block of the persistent grid dozens of work items, so the stage ring wraps many
+times and the producer resolves several batches of 32 items. On a device or build without sm_90
+code both families run the sm_80 kernel and the tests still hold.
+"""
+
+import pytest
+import torch
+
+import flashkda
+from flashkda.reference import kda_reference
+
+from helpers import HAS_CUDA_KERNELS, as_fp64_cpu, decode_family, make_inputs, public_fn, reference64, rel_err
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")]
+
+TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-5}
+BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values (upper bound)
+
+
+def _close_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to one bfloat16 rounding step per element."""
+    a, b = a.float(), b.float()
+    return bool(((a - b).abs() <= BF16_ULP * torch.maximum(a.abs(), b.abs()) + 1e-30).all())
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_families_agree_on_pool_with_padding(pool_dtype, T):
+    N, H, HV, D = 600, 2, 8, 128
+    slots = N + 40
+    token_dtype = torch.float32 if pool_dtype == torch.float32 else torch.bfloat16
+    kw = make_inputs(B=N, T=T, H=H, HV=HV, D=D, dtype=token_dtype, device="cuda", state=False, state_v_first=True)
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
+    idx[::7] = -1  # padding
+    idx[3::11] = slots + 5  # beyond the pool: skipped like padding
+    pool0 = (0.1 * torch.randn(slots, HV, D, D, device="cuda")).to(pool_dtype)
+
+    results = {}
+    for family in ("sm80", "sm90"):
+        pool = pool0.clone()
+        with decode_family(family):
+            o, ret = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
+        torch.cuda.synchronize()
+        assert ret is pool
+        results[family] = (o, pool)
+
+    valid = (idx >= 0) & (idx < slots)
+    named = torch.zeros(slots, dtype=torch.bool, device="cuda")
+    named[idx[valid].long()] = True
+    for family, (o, pool) in results.items():
+        assert torch.equal(pool[~named], pool0[~named]), f"{family}: a slot not named was touched"
+        assert torch.count_nonzero(o[~valid]) == 0, f"{family}: padding output is not zero"
+
+    (o80, p80), (o90, p90) = results["sm80"], results["sm90"]
+    if pool_dtype == torch.float32:  # same summation order in both kernels
+        assert rel_err(o90, o80) <= 1e-6 and rel_err(p90, p80) <= 1e-6
+    else:
+        assert _close_bf16(o90, o80) and _close_bf16(p90, p80)
+
+    ref_idx = torch.where(valid, idx, torch.full_like(idx, -1)).cpu()
+    ref_pool = pool0.double().cpu()
+    ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=ref_idx, core="recurrent")
+    state_tol = TOL[token_dtype] if pool_dtype == torch.float32 else 1e-2
+    assert rel_err(o90, ref_o) <= TOL[token_dtype]
+    assert rel_err(p90[named], ref_pool[named.cpu()]) <= state_tol
+
+
+def _varlen(lens_count=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 4, (lens_count,), generator=gen).tolist()  # zero-length sequences included
+    lens[0], lens[-1] = 0, 2
+    return lens
+
+
+@pytest.mark.parametrize(
+    "case", ["states", "no_initial_state", "no_final_state", "gdn", "unaligned_tokens", "fp16", "fp32", "long"]
+)
+def test_sm90_cases_match_oracle(case):
+    """Varlen with zero-length sequences and separate initial / final states on the sm90 family
+    ("long": more tokens per sequence than the sm_90 kernel takes, so the sm_80 kernel runs)."""
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(case, torch.bfloat16)
+    gdn = case == "gdn"
+    lens = [40, 3, 0, 25] if case == "long" else _varlen()
+    kw = make_inputs(lens=lens, H=2, HV=4, D=128, dtype=dtype, gdn=gdn, device="cuda", state_v_first=True,
+                     state=case != "no_initial_state")
+    if case == "unaligned_tokens":  # rows 2 bytes off 16-byte alignment: read from global memory
+        for name in ("q", "k", "v"):
+            x = kw[name]
+            wide = torch.randn(*x.shape[:-1], x.shape[-1] + 1, device="cuda").to(x.dtype)
+            wide[..., 1:] = x
+            kw[name] = wide[..., 1:]
+    with decode_family("sm90"):
+        o, s = public_fn("recurrent", gdn)(**kw, output_final_state=case != "no_final_state")
+    torch.cuda.synchronize()
+    ref_o, ref_s = reference64(kw, output_final_state=True)
+    assert rel_err(o, ref_o) <= TOL[dtype]
+    if case != "no_final_state":
+        assert rel_err(s, ref_s) <= TOL[dtype]
+
+
+def test_sm90_pool_varlen_zero_length_keeps_slot():
+    """A zero-length sequence in the pool leaves its slot untouched, bit for bit."""
+    lens = _varlen(200, seed=1)
+    N, HV, D = len(lens), 4, 128
+    slots = N + 8
+    kw = make_inputs(lens=lens, H=2, HV=HV, D=D, dtype=torch.bfloat16, device="cuda", state=False,
+                     state_v_first=True)
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int64)
+    idx[5::9] = -1
+    pool = 0.1 * torch.randn(slots, HV, D, D, device="cuda")
+    before = pool.clone()
+    ref_pool = before.double().cpu()
+    ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=idx.cpu(), core="recurrent")
+    with decode_family("sm90"):
+        o, _ = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
+    torch.cuda.synchronize()
+    for n, length in enumerate(lens):
+        if length == 0 and idx[n] >= 0:
+            assert torch.equal(pool[idx[n]], before[idx[n]]), f"zero-length sequence {n} changed its slot"
+    assert rel_err(o, ref_o) <= TOL[torch.bfloat16]
+    assert rel_err(pool, ref_pool) <= TOL[torch.float32]
+
+
+def test_sm90_unaligned_state_falls_back():
+    """A state pool 4 bytes off 16-byte alignment cannot move by bulk copy; the result is the same."""
+    N, HV, D, slots = 64, 2, 128, 70
+    kw = make_inputs(B=N, T=1, H=2, HV=HV, D=D, dtype=torch.bfloat16, device="cuda", state=False,
+                     state_v_first=True)
+    flat = torch.randn(slots * HV * D * D + 1, device="cuda") * 0.1
+    pool = flat[1:].view(slots, HV, D, D)
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
+    ref_pool = pool.double().cpu()
+    ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=idx.cpu(), core="recurrent")
+    with decode_family("sm90"):
+        o, _ = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
+    torch.cuda.synchronize()
+    assert rel_err(o, ref_o) <= TOL[torch.bfloat16]
+    assert rel_err(pool, ref_pool) <= TOL[torch.float32]
