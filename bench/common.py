@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import statistics
 from typing import Callable, List
 
 import torch
+
+from flashkda import _ext
 
 #: Measured device-to-device copy bandwidth of the H200 (bytes read + written per second).
 COPY_BANDWIDTH = 4.3e12
@@ -15,6 +18,17 @@ RESULTS: List[dict] = []
 #: When set (bench/conftest.py: --flashkda-results), every record rewrites this JSON file at once, so
 #: a run cut short by a time limit keeps what it measured.
 RESULTS_PATH = None
+
+
+@contextlib.contextmanager
+def kernel_family(name: str):
+    """Runs the block with the kernel family ``name`` ("auto", "sm80" or "sm90"), then restores it."""
+    before = _ext.config.kernel_family
+    _ext.set_kernel_family(name)
+    try:
+        yield
+    finally:
+        _ext.set_kernel_family(before)
 
 
 def cuda_median_ms(fn: Callable[[], object], warmup: int = 5, rounds: int = 2, calls: int = 50,

@@ -8,6 +8,7 @@ import sys
 import torch
 
 import flashkda
+from flashkda import _ext
 from test_decode import NS, _bytes, _inputs
 
 try:
@@ -61,6 +62,7 @@ def graph_ms(fn, calls=20, reps=5):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ncu", type=int, default=0)
+    ap.add_argument("--no-fla", action="store_true", help="skip FLA's kernel (its Triton compile takes a while)")
     args = ap.parse_args()
     if args.ncu:
         kw = _inputs(args.ncu)
@@ -71,16 +73,24 @@ def main():
                 fla_decode(**kw, inplace_final_state=True, out=out)
         torch.cuda.synchronize()
         return
+    fla = None if args.no_fla else fla_decode
     bw = copy_bandwidth_tbs()
     print(f"copy bandwidth: {bw:.2f} TB/s (read + write)")
-    print(f"{'N':>6} {'flashkda ms':>12} {'fla ms':>9} {'floor ms':>9} {'flashkda / floor':>17}")
-    for N in NS:
-        kw = _inputs(N)
+    print(f"{'N':>6} {'pool':>5} {'flashkda ms':>12} {'sm80 family ms':>15} {'fla ms':>9} {'floor ms':>9} "
+          f"{'flashkda / floor':>17}")
+    for N, pool in [(n, torch.float32) for n in NS] + [(256, torch.bfloat16)]:
+        kw = _inputs(N, pool)
         out = torch.empty_like(kw["v"])
         ours = graph_ms(lambda: flashkda.fused_recurrent_kda(**kw, out=out))
-        theirs = graph_ms(lambda: fla_decode(**kw, inplace_final_state=True, out=out)) if fla_decode else float("nan")
-        floor = _bytes(N) / (bw * 1e12) * 1e3
-        print(f"{N:>6} {ours:>12.4f} {theirs:>9.4f} {floor:>9.4f} {floor / ours:>16.0%}")
+        family = _ext.config.kernel_family
+        _ext.set_kernel_family("sm80")
+        sm80 = graph_ms(lambda: flashkda.fused_recurrent_kda(**kw, out=out))
+        _ext.set_kernel_family(family)
+        theirs = graph_ms(lambda: fla(**kw, inplace_final_state=True, out=out)) if fla and pool == torch.float32 \
+            else float("nan")
+        floor = _bytes(N, pool_bytes=pool.itemsize) / (bw * 1e12) * 1e3
+        print(f"{N:>6} {str(pool)[6:]:>5} {ours:>12.4f} {sm80:>15.4f} {theirs:>9.4f} {floor:>9.4f} "
+              f"{floor / ours:>16.0%}")
 
 
 if __name__ == "__main__":

@@ -4,15 +4,15 @@ B = 1, K = V = 128, bf16 q/k/v/g/beta (raw: l2norm, gate and beta sigmoid in the
 gate -5 with A_log [H] and dt_bias [H, K], safe_gate, fp32 V-first initial and final state,
 inference mode. FLA's chunk_kda and chunk_gated_delta_rule (the scalar-gate baseline) run in the
 same session when importable; the floor is the bytes that must move over the copy bandwidth.
-Records: impl flashkda, flashkda_softplus (unbounded gate), flashkda_gdn (scalar gate), fla_chunk_kda,
-fla_chunk_gdn; cases named as in the issue, plus sweep_T{T}_H{H} for the plot of time against T.
+Records: impl flashkda, flashkda_softplus (unbounded gate), flashkda_gdn (scalar gate), flashkda_sm80
+(the sm_80 kernel family forced), fla_chunk_kda, fla_chunk_gdn; cases named as in the issue, plus sweep_T{T}_H{H} for the plot of time against T.
 """
 
 import pytest
 import torch
 
 import flashkda
-from common import cuda_median_ms, floor_ms, record
+from common import cuda_median_ms, floor_ms, kernel_family, record
 
 D = 128
 ROWS = {
@@ -71,13 +71,17 @@ def _gdn_inputs(kw):
                 state_v_first=True, cu_seqlens=kw["cu_seqlens"])
 
 
-IMPLS = ["flashkda", "flashkda_softplus", "flashkda_gdn", "fla_chunk_kda", "fla_chunk_gdn"]
+IMPLS = ["flashkda", "flashkda_softplus", "flashkda_gdn", "flashkda_sm80", "fla_chunk_kda", "fla_chunk_gdn"]
 
 
 def _run(case, lens, H, impl, benchmark):
     kw = _inputs(lens, H)
     if impl == "flashkda":
         fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
+    elif impl == "flashkda_sm80":
+        def fn():
+            with kernel_family("sm80"):
+                flashkda.chunk_kda(**kw, **KDA_FLAGS)
     elif impl == "flashkda_softplus":
         flags = dict(KDA_FLAGS, lower_bound=None, safe_gate=False)
         fn = lambda: flashkda.chunk_kda(**kw, **flags)  # noqa: E731

@@ -43,19 +43,19 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, "flashkda: ", name, " must be contiguous in its last dimension");
 }
 
-// Process-wide choice of the decode kernel family (flashkda/_ext.py sets it from
-// FLASHKDA_DECODE_FAMILY at import); read by every recurrent call.
-std::atomic<int32_t> g_decode_family{int32_t(DecodeFamily::kAuto)};
+// Process-wide choice of the kernel family (flashkda/_ext.py sets it from
+// FLASHKDA_KERNEL_FAMILY at import); read by every recurrent and chunked call.
+std::atomic<int32_t> g_kernel_family{int32_t(KernelFamily::kAuto)};
 
-void set_decode_family(int64_t family) {
-  TORCH_CHECK(family == int64_t(DecodeFamily::kAuto) || family == int64_t(DecodeFamily::kSm80) ||
-                  family == int64_t(DecodeFamily::kSm90),
-              "flashkda: decode family must be ", int(DecodeFamily::kAuto), " (auto), ", int(DecodeFamily::kSm80),
-              " or ", int(DecodeFamily::kSm90), ", got ", family);
-  g_decode_family.store(int32_t(family), std::memory_order_relaxed);
+void set_kernel_family(int64_t family) {
+  TORCH_CHECK(family == int64_t(KernelFamily::kAuto) || family == int64_t(KernelFamily::kSm80) ||
+                  family == int64_t(KernelFamily::kSm90),
+              "flashkda: kernel family must be ", int(KernelFamily::kAuto), " (auto), ", int(KernelFamily::kSm80),
+              " or ", int(KernelFamily::kSm90), ", got ", family);
+  g_kernel_family.store(int32_t(family), std::memory_order_relaxed);
 }
 
-int64_t get_decode_family() { return g_decode_family.load(std::memory_order_relaxed); }
+int64_t get_kernel_family() { return g_kernel_family.load(std::memory_order_relaxed); }
 
 int num_sms(int device) {
   static int cached[64] = {0};
@@ -202,7 +202,7 @@ void recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
   const c10::cuda::CUDAGuard guard(q.device());
   p.num_sms = num_sms(q.get_device());
-  p.decode_family = static_cast<DecodeFamily>(g_decode_family.load(std::memory_order_relaxed));
+  p.kernel_family = static_cast<KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;
   FLASHKDA_HEAD_DIM_SWITCH(D, kD, [&] {
@@ -269,6 +269,7 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 
   const c10::cuda::CUDAGuard guard(q.device());
   p.num_sms = num_sms(q.get_device());
+  p.kernel_family = static_cast<KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
   // chunk_recurrence runs one block per SM (its shared memory): split a chain's value columns over
   // two blocks only while all blocks still fit in one wave (measured on the H200: H = 64 split 0.29
   // ms vs 0.49 unsplit; H = 96 split 0.57 ms, two waves, vs 0.50 unsplit). Split 4 (four blocks,
@@ -319,8 +320,8 @@ TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
 PYBIND11_MODULE(_C, m) {
   m.def("recurrent_fwd", &flashkda::recurrent_fwd, "token-by-token recurrence (see binding.cpp)");
   m.def("chunk_fwd", &flashkda::chunk_fwd, "chunked forward (see binding.cpp)");
-  m.def("set_decode_family", &flashkda::set_decode_family,
-        "decode kernel family for every later call in this process: 0 auto, 80 sm_80 kernel, 90 sm_90 kernel "
+  m.def("set_kernel_family", &flashkda::set_kernel_family,
+        "kernel family for every later call in this process: 0 auto, 80 sm_80 kernel, 90 sm_90 kernel "
         "where it applies");
-  m.def("get_decode_family", &flashkda::get_decode_family, "the decode kernel family set last (0, 80 or 90)");
+  m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80 or 90)");
 }

@@ -6,12 +6,13 @@ the run-time switches read from the environment at import.
   ``cu_seqlens`` order on CUDA) run, synchronising, and raise instead of skipping.
 * ``FLASHKDA_CHUNK_VALUE_SPLIT=0|1|2|4``: blocks per (sequence, head) in the chunked recurrence;
   0 (default) chooses from the number of (sequence, head) chains and SMs.
-* ``FLASHKDA_DECODE_FAMILY=auto|sm80|sm90``: the decode (token-by-token) kernel family. ``sm90``
-  runs the sm_90 bulk-copy kernel for the cases it covers (decode-sized calls of at most 8 tokens
-  per sequence on average, V-first state, K = V = 128, one slot per sequence, fp32 or bf16 state of
-  one dtype, 16-byte aligned states) on an sm_90 device with an sm_90a build, and the sm_80 kernel
-  for everything else; ``sm80`` always runs the sm_80 kernel;
-  ``auto`` (default) is ``sm90``. ``set_decode_family`` changes it at run time.
+* ``FLASHKDA_KERNEL_FAMILY=auto|sm80|sm90``: the kernel family. ``sm90`` (and ``auto``, the
+  default) runs the sm_90 kernels on an sm_90 device with an sm_90a build: the bulk-copy decode
+  kernel for the cases it covers (decode-sized calls of at most 8 tokens per sequence on average,
+  V-first state, K = V = 128, one slot per sequence, fp32 or bf16 state of one dtype, 16-byte
+  aligned states) and the chunked recurrence with bulk-copy record loads; the sm_80 kernels serve
+  everything else. ``sm80`` always runs the sm_80 kernels (cp.async, mma.sync), also on an H100 /
+  H200. ``set_kernel_family`` changes it at run time.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-#: Decode kernel families by name, as the extension numbers them (``DecodeFamily`` in
+#: Kernel families by name, as the extension numbers them (``KernelFamily`` in
 #: csrc/flashkda/recurrent_params.h).
-DECODE_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}
+KERNEL_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}
 
 
-def _decode_family_name(name: str, source: str) -> str:
+def _kernel_family_name(name: str, source: str) -> str:
     name = name.strip().lower() or "auto"
-    if name not in DECODE_FAMILIES:
-        raise ValueError(f"flashkda: {source} must be one of {', '.join(DECODE_FAMILIES)}, got {name!r}")
+    if name not in KERNEL_FAMILIES:
+        raise ValueError(f"flashkda: {source} must be one of {', '.join(KERNEL_FAMILIES)}, got {name!r}")
     return name
 
 
@@ -46,16 +47,16 @@ class Config:
     force_reference: bool = False
     debug: bool = False
     chunk_value_split: int = 0
-    decode_family: str = "auto"
+    kernel_family: str = "auto"
 
     @classmethod
     def from_env(cls) -> "Config":
         split = os.environ.get("FLASHKDA_CHUNK_VALUE_SPLIT", "0").strip() or "0"
         if split not in ("0", "1", "2", "4"):
             raise ValueError(f"flashkda: FLASHKDA_CHUNK_VALUE_SPLIT must be 0, 1, 2 or 4, got {split!r}")
-        family = _decode_family_name(os.environ.get("FLASHKDA_DECODE_FAMILY", "auto"), "FLASHKDA_DECODE_FAMILY")
+        family = _kernel_family_name(os.environ.get("FLASHKDA_KERNEL_FAMILY", "auto"), "FLASHKDA_KERNEL_FAMILY")
         return cls(force_reference=_env_flag("FLASHKDA_FORCE_REFERENCE"), debug=_env_flag("FLASHKDA_DEBUG"),
-                   chunk_value_split=int(split), decode_family=family)
+                   chunk_value_split=int(split), kernel_family=family)
 
 
 config = Config.from_env()
@@ -71,16 +72,16 @@ except ImportError as e:  # pure-Python install, or a build for another torch
     log.debug("flashkda: CUDA extension not available (%s); the PyTorch reference serves every call", e)
 
 
-def set_decode_family(name: str) -> None:
-    """Chooses the decode kernel family for every later call in this process: ``"auto"``,
-    ``"sm80"`` or ``"sm90"`` (see FLASHKDA_DECODE_FAMILY above)."""
-    config.decode_family = _decode_family_name(name, "the decode family")
+def set_kernel_family(name: str) -> None:
+    """Chooses the kernel family for every later call in this process: ``"auto"``,
+    ``"sm80"`` or ``"sm90"`` (see FLASHKDA_KERNEL_FAMILY above)."""
+    config.kernel_family = _kernel_family_name(name, "the kernel family")
     if HAS_EXTENSION:
-        _C.set_decode_family(DECODE_FAMILIES[config.decode_family])
+        _C.set_kernel_family(KERNEL_FAMILIES[config.kernel_family])
 
 
 if HAS_EXTENSION:
-    set_decode_family(config.decode_family)
+    set_kernel_family(config.kernel_family)
 
     recurrent_fwd_op = torch.ops.flashkda.recurrent_fwd.default
     recurrent_fwd_eager = _C.recurrent_fwd

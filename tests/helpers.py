@@ -115,11 +115,11 @@ def public_fn(kind: str, gdn: bool):
 
 
 @contextlib.contextmanager
-def decode_family(name: str):
-    """Runs the block with the decode kernel family ``name`` ("auto", "sm80" or "sm90"), then restores it."""
-    before = _ext.config.decode_family
-    _ext.set_decode_family(name)
+def kernel_family(name: str):
+    """Runs the block with the kernel family ``name`` ("auto", "sm80" or "sm90"), then restores it."""
+    before = _ext.config.kernel_family
+    _ext.set_kernel_family(name)
     try:
         yield name
     finally:
-        _ext.set_decode_family(before)
+        _ext.set_kernel_family(before)

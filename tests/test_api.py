@@ -231,27 +231,27 @@ def test_cuda_constants_match_python():
     assert int(re.search(r"constexpr int kHeadDim = (\d+);", chunk).group(1)) == C.CHUNK_HEAD_DIM
 
 
-def test_decode_family_switch(monkeypatch):
-    """FLASHKDA_DECODE_FAMILY names map to the extension's DecodeFamily values; bad names raise."""
+def test_kernel_family_switch(monkeypatch):
+    """FLASHKDA_KERNEL_FAMILY names map to the extension's KernelFamily values; bad names raise."""
     params = (ROOT / "csrc" / "flashkda" / "recurrent_params.h").read_text()
     enums = {"auto": "kAuto", "sm80": "kSm80", "sm90": "kSm90"}
-    assert set(enums) == set(_ext.DECODE_FAMILIES)
-    for name, value in _ext.DECODE_FAMILIES.items():
+    assert set(enums) == set(_ext.KERNEL_FAMILIES)
+    for name, value in _ext.KERNEL_FAMILIES.items():
         assert re.search(rf"{enums[name]} = {value},", params)
     for raw, name in (("", "auto"), ("SM80", "sm80"), (" sm90 ", "sm90")):
-        monkeypatch.setenv("FLASHKDA_DECODE_FAMILY", raw)
-        assert _ext.Config.from_env().decode_family == name
-    monkeypatch.setenv("FLASHKDA_DECODE_FAMILY", "sm100")
-    with pytest.raises(ValueError, match="FLASHKDA_DECODE_FAMILY"):
+        monkeypatch.setenv("FLASHKDA_KERNEL_FAMILY", raw)
+        assert _ext.Config.from_env().kernel_family == name
+    monkeypatch.setenv("FLASHKDA_KERNEL_FAMILY", "sm100")
+    with pytest.raises(ValueError, match="FLASHKDA_KERNEL_FAMILY"):
         _ext.Config.from_env()
-    before = _ext.config.decode_family
+    before = _ext.config.kernel_family
     try:
-        _ext.set_decode_family("sm80")
-        assert _ext.config.decode_family == "sm80"
-        with pytest.raises(ValueError, match="decode family"):
-            _ext.set_decode_family("fast")
+        _ext.set_kernel_family("sm80")
+        assert _ext.config.kernel_family == "sm80"
+        with pytest.raises(ValueError, match="kernel family"):
+            _ext.set_kernel_family("fast")
     finally:
-        _ext.set_decode_family(before)
+        _ext.set_kernel_family(before)
 
 
 def test_chunk_kernel_reasons_and_alignment():

@@ -11,20 +11,11 @@ import torch
 import flashkda
 from flashkda.reference import kda_reference
 
-from helpers import HAS_CUDA_KERNELS, as_fp64_cpu, decode_family, make_inputs, public_fn, reference64, rel_err
+from helpers import HAS_CUDA_KERNELS, as_fp64_cpu, kernel_family, make_inputs, public_fn, reference64, rel_err
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")]
 
 TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-5}
-BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values (upper bound)
-
-
-def _close_bf16(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to one bfloat16 rounding step per element."""
-    a, b = a.float(), b.float()
-    return bool(((a - b).abs() <= BF16_ULP * torch.maximum(a.abs(), b.abs()) + 1e-30).all())
-
-
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_families_agree_on_pool_with_padding(pool_dtype, T):
@@ -40,7 +31,7 @@ def test_families_agree_on_pool_with_padding(pool_dtype, T):
     results = {}
     for family in ("sm80", "sm90"):
         pool = pool0.clone()
-        with decode_family(family):
+        with kernel_family(family):
             o, ret = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
         torch.cuda.synchronize()
         assert ret is pool
@@ -56,8 +47,9 @@ def test_families_agree_on_pool_with_padding(pool_dtype, T):
     (o80, p80), (o90, p90) = results["sm80"], results["sm90"]
     if pool_dtype == torch.float32:  # same summation order in both kernels
         assert rel_err(o90, o80) <= 1e-6 and rel_err(p90, p80) <= 1e-6
-    else:
-        assert _close_bf16(o90, o80) and _close_bf16(p90, p80)
+    else:  # bf16 pool: the kernels sum in different orders, and near-cancelling outputs can differ by
+        # more than one bf16 step element-wise; the fp64 checks below bound both
+        assert rel_err(o90, o80) <= 4e-3 and rel_err(p90, p80) <= 4e-3
 
     ref_idx = torch.where(valid, idx, torch.full_like(idx, -1)).cpu()
     ref_pool = pool0.double().cpu()
@@ -91,7 +83,7 @@ def test_sm90_cases_match_oracle(case):
             wide = torch.randn(*x.shape[:-1], x.shape[-1] + 1, device="cuda").to(x.dtype)
             wide[..., 1:] = x
             kw[name] = wide[..., 1:]
-    with decode_family("sm90"):
+    with kernel_family("sm90"):
         o, s = public_fn("recurrent", gdn)(**kw, output_final_state=case != "no_final_state")
     torch.cuda.synchronize()
     ref_o, ref_s = reference64(kw, output_final_state=True)
@@ -113,7 +105,7 @@ def test_sm90_pool_varlen_zero_length_keeps_slot():
     before = pool.clone()
     ref_pool = before.double().cpu()
     ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=idx.cpu(), core="recurrent")
-    with decode_family("sm90"):
+    with kernel_family("sm90"):
         o, _ = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
     torch.cuda.synchronize()
     for n, length in enumerate(lens):
@@ -133,7 +125,7 @@ def test_sm90_unaligned_state_falls_back():
     idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
     ref_pool = pool.double().cpu()
     ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=idx.cpu(), core="recurrent")
-    with decode_family("sm90"):
+    with kernel_family("sm90"):
         o, _ = flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
     torch.cuda.synchronize()
     assert rel_err(o, ref_o) <= TOL[torch.bfloat16]

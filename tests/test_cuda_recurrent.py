@@ -6,7 +6,7 @@ import torch
 import flashkda
 from flashkda.reference import kda_reference
 
-from helpers import HAS_CUDA_KERNELS, as_fp64_cpu, decode_family, make_inputs, public_fn, reference64, rel_err
+from helpers import HAS_CUDA_KERNELS, as_fp64_cpu, kernel_family, make_inputs, public_fn, reference64, rel_err
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")]
 
@@ -16,7 +16,7 @@ TOL = {torch.bfloat16: 2e-3, torch.float16: 2e-3, torch.float32: 1e-5}
 @pytest.fixture(params=["sm80", "sm90"], autouse=True)
 def family(request):
     """Every test runs on both decode kernel families; sm90 runs the sm_80 kernel where it does not apply."""
-    with decode_family(request.param):
+    with kernel_family(request.param):
         yield request.param
 
 

@@ -69,28 +69,31 @@ constexpr bool record_is_stage_image() {
          offsetof(Stage, v) == WorkspaceLayout::kRecordBytes;
 }
 
-// Starts the loads of one chunk into a stage: the record with the copy engine where there is one
-// (sm_90: bulk copies counted on `bar`), else with cp.async; the v tile with cp.async (one group).
-template <typename Elem, typename Shape>
+// Starts the loads of one chunk into a stage: the record with the copy engine (kBulk, sm_90: bulk
+// copies counted on `bar`) or with cp.async (sm_80 family); the v tile with cp.async (one group).
+template <typename Elem, typename Shape, bool kBulk>
 __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape::Stage& st, uint64_t* bar,
                                            const uint8_t* rec, const Elem* vrow0, int len) {
   constexpr int kBlockV = Shape::kBlockV;
   static_assert(record_is_stage_image<typename Shape::Stage>(), "stage layout = record layout");
   const int tid = threadIdx.x;
+  if constexpr (kBulk) {
 #ifdef FLASHKDA_BULK_COPY
-  if (tid == 0) {
-    constexpr uint32_t kPiece = 16384;  // several moderate copies rather than one of 64.5 KB
-    sm90::mbarrier_arrive_expect_tx(bar, uint32_t(WorkspaceLayout::kRecordBytes));
-    for (uint32_t off = 0; off < uint32_t(WorkspaceLayout::kRecordBytes); off += kPiece) {
-      const uint32_t rest = uint32_t(WorkspaceLayout::kRecordBytes) - off;
-      sm90::bulk_copy_to_shared(reinterpret_cast<uint8_t*>(&st) + off, rec + off, rest < kPiece ? rest : kPiece, bar);
+    if (tid == 0) {
+      constexpr uint32_t kPiece = 16384;  // several moderate copies rather than one of 64.5 KB
+      sm90::mbarrier_arrive_expect_tx(bar, uint32_t(WorkspaceLayout::kRecordBytes));
+      for (uint32_t off = 0; off < uint32_t(WorkspaceLayout::kRecordBytes); off += kPiece) {
+        const uint32_t rest = uint32_t(WorkspaceLayout::kRecordBytes) - off;
+        sm90::bulk_copy_to_shared(reinterpret_cast<uint8_t*>(&st) + off, rec + off, rest < kPiece ? rest : kPiece,
+                                  bar);
+      }
     }
-  }
-#else
-  (void)bar;
-  for (int e = tid; e < int(WorkspaceLayout::kRecordBytes / 16); e += Shape::kThreads)
-    sm80::cp_async_16(sm80::smem_u32(&st) + e * 16, rec + e * 16);
 #endif
+  } else {
+    (void)bar;
+    for (int e = tid; e < int(WorkspaceLayout::kRecordBytes / 16); e += Shape::kThreads)
+      sm80::cp_async_16(sm80::smem_u32(&st) + e * 16, rec + e * 16);
+  }
   constexpr int kRowChunks = kBlockV / 8;
   for (int e = tid; e < kChunk * kRowChunks; e += Shape::kThreads) {
     const int row = e / kRowChunks, ch = e % kRowChunks;
@@ -105,251 +108,282 @@ __device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
   return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;
 }
 
-template <typename Elem, int kBlockV, int kDSplit>
+// kBulk: the sm_90 family (record loads by the copy engine); its sm_80 image is empty and never
+// launched (launch_recurrence checks the image's architecture).
+template <typename Elem, int kBlockV, int kDSplit, bool kBulk>
 __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1)
     chunk_recurrence_kernel(const ChunkParams p) {
-  using Shape = RecurrenceShape<kBlockV, kDSplit>;
-  using Stage = typename Shape::Stage;
-  constexpr int kKeyTiles = Shape::kKeyCols / 8;  // n-tiles of the state per warp
-  constexpr int kRowTiles = Shape::kRowTiles;
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  Stage* stages = reinterpret_cast<Stage*>(smem_raw);
-  float* exchange = reinterpret_cast<float*>(smem_raw + Shape::kStages * sizeof(Stage));
-  __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
-#ifdef FLASHKDA_BULK_COPY
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < Shape::kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
-    sm90::fence_mbarrier_init();
-  }
-  __syncthreads();
+#ifndef FLASHKDA_BULK_COPY
+  if constexpr (kBulk) {
+    return;
+  } else
 #endif
-
-  const int vblock = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g8 = lane >> 2, t4 = lane & 3;
-  const int vw = warp / kDSplit, ds = warp % kDSplit;
-  const int v_local = 16 * vw;                        // first value row of this warp within the block
-  const int v_glob = vblock * kBlockV + v_local;      // ... within the head
-  const int d0 = ds * Shape::kKeyCols;                // first key column of this warp
-  const int np0 = ds * kRowTiles;                     // first 16-token row tile of O this warp owns
-  const SeqSpan seq = sequence_span(p, n);
-  const int64_t chunks = num_chunks(seq.len);
-
-  // ---- initial state -> registers ---------------------------------------------------------
-  float s[kKeyTiles][4];
   {
-    const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
-#pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
-        float x = 0.f;
-        if (p.state_in != nullptr) {
-          const int64_t i = base + state_offset(p.state_v_first, v, d);
-          x = p.state_in_dtype == DType::kBFloat16
-                  ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
-                  : static_cast<const float*>(p.state_in)[i];
-        }
-        s[nt][e] = x;
-      }
-  }
-
-  const Elem* vbase = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + hv * p.v_head_stride +
-                      vblock * kBlockV;
-  Elem* obase = static_cast<Elem*>(p.o) + seq.batch * p.o_batch_stride + hv * p.o_head_stride + vblock * kBlockV;
-  auto record = [&](int64_t j) {
-    return static_cast<const uint8_t*>(p.workspace) +
-           ((seq.first_slot + j) * p.HV + hv) * WorkspaceLayout::kRecordBytes;
-  };
-  auto chunk_len = [&](int64_t j) {
-    const int64_t rest = seq.len - j * kChunk;
-    return int(rest < kChunk ? rest : kChunk);
-  };
-  // Bad cu_seqlens on the device could name more chunks than the workspace has: stop there.
-  const int64_t last = p.num_chunk_slots - seq.first_slot;
-  const int64_t nchunks = chunks < last ? chunks : (last > 0 ? last : 0);
-
-  constexpr int kStages = Shape::kStages;
-  auto issue = [&](int64_t j) {  // loads of chunk j into its stage (one cp.async group, maybe empty)
-    if (j < nchunks)
-      load_stage<Elem, Shape>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
-                              vbase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
-    sm80::cp_async_commit();
-  };
-#pragma unroll
-  for (int j = 0; j < kStages - 1; ++j) issue(j);
-  for (int64_t j = 0; j < nchunks; ++j) {
-    Stage& st = stages[j % kStages];
-    __syncthreads();  // every warp is done with the stage that the next load overwrites (and with exchange)
-    issue(j + kStages - 1);
-    sm80::cp_async_wait<kStages - 1>();
-#ifdef FLASHKDA_BULK_COPY
-    sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
-#endif
-    __syncthreads();
-
-    const uint32_t w_s = sm80::smem_u32(st.w), qd_s = sm80::smem_u32(st.qd), kd_s = sm80::smem_u32(st.kd);
-    const uint32_t mqk_s = sm80::smem_u32(st.mqk), tinv_s = sm80::smem_u32(st.tinv), v_s = sm80::smem_u32(st.v);
-
-    float u[kChunk / 8][4], o[kChunk / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kChunk / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) u[nt][e] = o[nt][e] = 0.f;
-
-    // Uᵀ = vᵀ Tᵀ for this warp's row tiles (T lower triangular: output tiles np >= kc only)
-#pragma unroll
-    for (int kc = 0; kc < kChunk / 16; ++kc) {
-      if (kc >= np0 + kRowTiles) break;
-      uint32_t af[4];
-      sm80::ldmatrix_x4_trans(af, v_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
-                                                                   v_local / 8 + ((lane >> 3) & 1)));
-#pragma unroll
-      for (int np = kc; np < kChunk / 16; ++np) {
-        if (np / kRowTiles != ds) continue;  // compile-time register indices, run-time ownership
-        uint32_t bf[4];
-        sm80::ldmatrix_x4(bf, tinv_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                                   2 * kc + ((lane >> 3) & 1)));
-        sm80::mma_16816<Elem>(u[2 * np], af, bf[0], bf[1]);
-        sm80::mma_16816<Elem>(u[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
-    // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ  over this warp's key columns
-#pragma unroll
-    for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
-      const uint32_t a[4] = {sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]), sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]),
-                             sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]),
-                             sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3])};
-      const uint32_t na[4] = {sm80::neg2(a[0]), sm80::neg2(a[1]), sm80::neg2(a[2]), sm80::neg2(a[3])};
-#pragma unroll
-      for (int np = 0; np < kChunk / 16; ++np) {
-        const uint32_t off = Shape::MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                          d0 / 8 + 2 * kd + ((lane >> 3) & 1));
-        uint32_t bw[4], bq[4];
-        sm80::ldmatrix_x4(bw, w_s + off);
-        sm80::ldmatrix_x4(bq, qd_s + off);
-        sm80::mma_16816<Elem>(u[2 * np], na, bw[0], bw[1]);
-        sm80::mma_16816<Elem>(u[2 * np + 1], na, bw[2], bw[3]);
-        sm80::mma_16816<Elem>(o[2 * np], a, bq[0], bq[1]);
-        sm80::mma_16816<Elem>(o[2 * np + 1], a, bq[2], bq[3]);
-      }
-    }
-    if constexpr (kDSplit > 1) {
-      // Partial sums meet: every warp of the row group adds the others' Uᵀ (all of it) and Oᵀ (its
-      // own row tiles). One float4 per lane and tile: conflict-free 16-byte accesses.
-      float4* mine = reinterpret_cast<float4*>(exchange + warp * Shape::kExchangeFloats);
-#pragma unroll
-      for (int nt = 0; nt < kChunk / 8; ++nt) {
-        mine[nt * 32 + lane] = make_float4(u[nt][0], u[nt][1], u[nt][2], u[nt][3]);
-        mine[(kChunk / 8 + nt) * 32 + lane] = make_float4(o[nt][0], o[nt][1], o[nt][2], o[nt][3]);
+    using Shape = RecurrenceShape<kBlockV, kDSplit>;
+    using Stage = typename Shape::Stage;
+    constexpr int kKeyTiles = Shape::kKeyCols / 8;  // n-tiles of the state per warp
+    constexpr int kRowTiles = Shape::kRowTiles;
+    extern __shared__ __align__(16) uint8_t smem_raw[];
+    Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+    float* exchange = reinterpret_cast<float*>(smem_raw + Shape::kStages * sizeof(Stage));
+    __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
+  #ifdef FLASHKDA_BULK_COPY
+    if constexpr (kBulk) {
+      if (threadIdx.x == 0) {
+        for (int i = 0; i < Shape::kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
+        sm90::fence_mbarrier_init();
       }
       __syncthreads();
-#pragma unroll
-      for (int other = 1; other < kDSplit; ++other) {
-        const float4* theirs =
-            reinterpret_cast<const float4*>(exchange + (vw * kDSplit + (ds + other) % kDSplit) * Shape::kExchangeFloats);
-#pragma unroll
-        for (int nt = 0; nt < kChunk / 8; ++nt) {
-          const float4 x = theirs[nt * 32 + lane];
-          u[nt][0] += x.x, u[nt][1] += x.y, u[nt][2] += x.z, u[nt][3] += x.w;
-        }
-#pragma unroll
-        for (int nt = 0; nt < kChunk / 8; ++nt) {
-          if (nt / (2 * kRowTiles) != ds) continue;
-          const float4 x = theirs[(kChunk / 8 + nt) * 32 + lane];
-          o[nt][0] += x.x, o[nt][1] += x.y, o[nt][2] += x.z, o[nt][3] += x.w;
-        }
-      }
     }
-    uint32_t ua[kChunk / 16][4];
-#pragma unroll
-    for (int kc = 0; kc < kChunk / 16; ++kc) {
-      ua[kc][0] = sm80::pack2<Elem>(u[2 * kc][0], u[2 * kc][1]);
-      ua[kc][1] = sm80::pack2<Elem>(u[2 * kc][2], u[2 * kc][3]);
-      ua[kc][2] = sm80::pack2<Elem>(u[2 * kc + 1][0], u[2 * kc + 1][1]);
-      ua[kc][3] = sm80::pack2<Elem>(u[2 * kc + 1][2], u[2 * kc + 1][3]);
-    }
-    // Oᵀ += Uᵀ mqkᵀ for this warp's row tiles (mqk lower triangular)
-#pragma unroll
-    for (int kc = 0; kc < kChunk / 16; ++kc)
-#pragma unroll
-      for (int np = kc; np < kChunk / 16; ++np) {
-        if (np / kRowTiles != ds) continue;
-        uint32_t bf[4];
-        sm80::ldmatrix_x4(bf, mqk_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                                  2 * kc + ((lane >> 3) & 1)));
-        sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
-        sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
-      }
-    // Output: through this warp's rows and columns of the v tile, then 16-byte stores. The v reads
-    // of the other warps of the row group ended before the exchange barrier (kDSplit > 1).
-    __syncwarp();  // every lane's ldmatrix reads of these columns are done
-#pragma unroll
-    for (int nt = 0; nt < kChunk / 8; ++nt) {
-      if (nt / (2 * kRowTiles) != ds) continue;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
-        *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
-      }
-    }
-    __syncwarp();
-    {
-      const int len = chunk_len(j);
-      Elem* orow0 = obase + (seq.bos + j * kChunk) * p.o_token_stride + v_local;
-#pragma unroll
-      for (int r = 0; r < kRowTiles; ++r) {
-        const int c = 16 * (np0 + r) + (lane >> 1), half = lane & 1;
-        if (c < len)
-          *reinterpret_cast<uint4*>(orow0 + int64_t(c) * p.o_token_stride + 8 * half) =
-              *reinterpret_cast<const uint4*>(st.v + Shape::VTile::chunk_offset(c, v_local / 8 + half));
-      }
-    }
-    // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd  over this warp's key columns
-#pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt) {
-      const float2 dec = *reinterpret_cast<const float2*>(&st.decay[d0 + 8 * nt + 2 * t4]);
-      s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
-    }
-#pragma unroll
-    for (int kc = 0; kc < kChunk / 16; ++kc)
-#pragma unroll
-      for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
-        uint32_t bf[4];
-        sm80::ldmatrix_x4_trans(bf, kd_s + Shape::MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                        d0 / 8 + 2 * dp + (lane >> 4)));
-        sm80::mma_16816<Elem>(s[2 * dp], ua[kc], bf[0], bf[1]);
-        sm80::mma_16816<Elem>(s[2 * dp + 1], ua[kc], bf[2], bf[3]);
-      }
-  }
+  #endif
 
-  // ---- final state ------------------------------------------------------------------------
-  if (p.state_out != nullptr) {
-    const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
-#pragma unroll
-    for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
-        const int64_t i = base + state_offset(p.state_v_first, v, d);
-        if (p.state_out_dtype == DType::kBFloat16)
-          static_cast<__nv_bfloat16*>(p.state_out)[i] = __float2bfloat16(s[nt][e]);
-        else
-          static_cast<float*>(p.state_out)[i] = s[nt][e];
+    const int vblock = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g8 = lane >> 2, t4 = lane & 3;
+    const int vw = warp / kDSplit, ds = warp % kDSplit;
+    const int v_local = 16 * vw;                        // first value row of this warp within the block
+    const int v_glob = vblock * kBlockV + v_local;      // ... within the head
+    const int d0 = ds * Shape::kKeyCols;                // first key column of this warp
+    const int np0 = ds * kRowTiles;                     // first 16-token row tile of O this warp owns
+    const SeqSpan seq = sequence_span(p, n);
+    const int64_t chunks = num_chunks(seq.len);
+
+    // ---- initial state -> registers ---------------------------------------------------------
+    float s[kKeyTiles][4];
+    {
+      const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
+  #pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt)
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
+          float x = 0.f;
+          if (p.state_in != nullptr) {
+            const int64_t i = base + state_offset(p.state_v_first, v, d);
+            x = p.state_in_dtype == DType::kBFloat16
+                    ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
+                    : static_cast<const float*>(p.state_in)[i];
+          }
+          s[nt][e] = x;
+        }
+    }
+
+    const Elem* vbase = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + hv * p.v_head_stride +
+                        vblock * kBlockV;
+    Elem* obase = static_cast<Elem*>(p.o) + seq.batch * p.o_batch_stride + hv * p.o_head_stride + vblock * kBlockV;
+    auto record = [&](int64_t j) {
+      return static_cast<const uint8_t*>(p.workspace) +
+             ((seq.first_slot + j) * p.HV + hv) * WorkspaceLayout::kRecordBytes;
+    };
+    auto chunk_len = [&](int64_t j) {
+      const int64_t rest = seq.len - j * kChunk;
+      return int(rest < kChunk ? rest : kChunk);
+    };
+    // Bad cu_seqlens on the device could name more chunks than the workspace has: stop there.
+    const int64_t last = p.num_chunk_slots - seq.first_slot;
+    const int64_t nchunks = chunks < last ? chunks : (last > 0 ? last : 0);
+
+    constexpr int kStages = Shape::kStages;
+    auto issue = [&](int64_t j) {  // loads of chunk j into its stage (one cp.async group, maybe empty)
+      if (j < nchunks)
+        load_stage<Elem, Shape, kBulk>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
+                                vbase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
+      sm80::cp_async_commit();
+    };
+  #pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) issue(j);
+    for (int64_t j = 0; j < nchunks; ++j) {
+      Stage& st = stages[j % kStages];
+      __syncthreads();  // every warp is done with the stage that the next load overwrites (and with exchange)
+      issue(j + kStages - 1);
+      sm80::cp_async_wait<kStages - 1>();
+  #ifdef FLASHKDA_BULK_COPY
+      if constexpr (kBulk) sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
+  #endif
+      __syncthreads();
+
+      const uint32_t w_s = sm80::smem_u32(st.w), qd_s = sm80::smem_u32(st.qd), kd_s = sm80::smem_u32(st.kd);
+      const uint32_t mqk_s = sm80::smem_u32(st.mqk), tinv_s = sm80::smem_u32(st.tinv), v_s = sm80::smem_u32(st.v);
+
+      float u[kChunk / 8][4], o[kChunk / 8][4];
+  #pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt)
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) u[nt][e] = o[nt][e] = 0.f;
+
+      // Uᵀ = vᵀ Tᵀ for this warp's row tiles (T lower triangular: output tiles np >= kc only)
+  #pragma unroll
+      for (int kc = 0; kc < kChunk / 16; ++kc) {
+        if (kc >= np0 + kRowTiles) break;
+        uint32_t af[4];
+        sm80::ldmatrix_x4_trans(af, v_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
+                                                                     v_local / 8 + ((lane >> 3) & 1)));
+  #pragma unroll
+        for (int np = kc; np < kChunk / 16; ++np) {
+          if (np / kRowTiles != ds) continue;  // compile-time register indices, run-time ownership
+          uint32_t bf[4];
+          sm80::ldmatrix_x4(bf, tinv_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+                                                                     2 * kc + ((lane >> 3) & 1)));
+          sm80::mma_16816<Elem>(u[2 * np], af, bf[0], bf[1]);
+          sm80::mma_16816<Elem>(u[2 * np + 1], af, bf[2], bf[3]);
+        }
       }
+      // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ  over this warp's key columns
+  #pragma unroll
+      for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
+        const uint32_t a[4] = {sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]), sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]),
+                               sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]),
+                               sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3])};
+        const uint32_t na[4] = {sm80::neg2(a[0]), sm80::neg2(a[1]), sm80::neg2(a[2]), sm80::neg2(a[3])};
+  #pragma unroll
+        for (int np = 0; np < kChunk / 16; ++np) {
+          const uint32_t off = Shape::MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+                                                            d0 / 8 + 2 * kd + ((lane >> 3) & 1));
+          uint32_t bw[4], bq[4];
+          sm80::ldmatrix_x4(bw, w_s + off);
+          sm80::ldmatrix_x4(bq, qd_s + off);
+          sm80::mma_16816<Elem>(u[2 * np], na, bw[0], bw[1]);
+          sm80::mma_16816<Elem>(u[2 * np + 1], na, bw[2], bw[3]);
+          sm80::mma_16816<Elem>(o[2 * np], a, bq[0], bq[1]);
+          sm80::mma_16816<Elem>(o[2 * np + 1], a, bq[2], bq[3]);
+        }
+      }
+      if constexpr (kDSplit > 1) {
+        // Partial sums meet: every warp of the row group adds the others' Uᵀ (all of it) and Oᵀ (its
+        // own row tiles). One float4 per lane and tile: conflict-free 16-byte accesses.
+        float4* mine = reinterpret_cast<float4*>(exchange + warp * Shape::kExchangeFloats);
+  #pragma unroll
+        for (int nt = 0; nt < kChunk / 8; ++nt) {
+          mine[nt * 32 + lane] = make_float4(u[nt][0], u[nt][1], u[nt][2], u[nt][3]);
+          mine[(kChunk / 8 + nt) * 32 + lane] = make_float4(o[nt][0], o[nt][1], o[nt][2], o[nt][3]);
+        }
+        __syncthreads();
+  #pragma unroll
+        for (int other = 1; other < kDSplit; ++other) {
+          const float4* theirs =
+              reinterpret_cast<const float4*>(exchange + (vw * kDSplit + (ds + other) % kDSplit) * Shape::kExchangeFloats);
+  #pragma unroll
+          for (int nt = 0; nt < kChunk / 8; ++nt) {
+            const float4 x = theirs[nt * 32 + lane];
+            u[nt][0] += x.x, u[nt][1] += x.y, u[nt][2] += x.z, u[nt][3] += x.w;
+          }
+  #pragma unroll
+          for (int nt = 0; nt < kChunk / 8; ++nt) {
+            if (nt / (2 * kRowTiles) != ds) continue;
+            const float4 x = theirs[(kChunk / 8 + nt) * 32 + lane];
+            o[nt][0] += x.x, o[nt][1] += x.y, o[nt][2] += x.z, o[nt][3] += x.w;
+          }
+        }
+      }
+      uint32_t ua[kChunk / 16][4];
+  #pragma unroll
+      for (int kc = 0; kc < kChunk / 16; ++kc) {
+        ua[kc][0] = sm80::pack2<Elem>(u[2 * kc][0], u[2 * kc][1]);
+        ua[kc][1] = sm80::pack2<Elem>(u[2 * kc][2], u[2 * kc][3]);
+        ua[kc][2] = sm80::pack2<Elem>(u[2 * kc + 1][0], u[2 * kc + 1][1]);
+        ua[kc][3] = sm80::pack2<Elem>(u[2 * kc + 1][2], u[2 * kc + 1][3]);
+      }
+      // Oᵀ += Uᵀ mqkᵀ for this warp's row tiles (mqk lower triangular)
+  #pragma unroll
+      for (int kc = 0; kc < kChunk / 16; ++kc)
+  #pragma unroll
+        for (int np = kc; np < kChunk / 16; ++np) {
+          if (np / kRowTiles != ds) continue;
+          uint32_t bf[4];
+          sm80::ldmatrix_x4(bf, mqk_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+                                                                    2 * kc + ((lane >> 3) & 1)));
+          sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
+          sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
+        }
+      // Output: through this warp's rows and columns of the v tile, then 16-byte stores. The v reads
+      // of the other warps of the row group ended before the exchange barrier (kDSplit > 1).
+      __syncwarp();  // every lane's ldmatrix reads of these columns are done
+  #pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt) {
+        if (nt / (2 * kRowTiles) != ds) continue;
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
+          *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
+        }
+      }
+      __syncwarp();
+      {
+        const int len = chunk_len(j);
+        Elem* orow0 = obase + (seq.bos + j * kChunk) * p.o_token_stride + v_local;
+  #pragma unroll
+        for (int r = 0; r < kRowTiles; ++r) {
+          const int c = 16 * (np0 + r) + (lane >> 1), half = lane & 1;
+          if (c < len)
+            *reinterpret_cast<uint4*>(orow0 + int64_t(c) * p.o_token_stride + 8 * half) =
+                *reinterpret_cast<const uint4*>(st.v + Shape::VTile::chunk_offset(c, v_local / 8 + half));
+        }
+      }
+      // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd  over this warp's key columns
+  #pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
+        const float2 dec = *reinterpret_cast<const float2*>(&st.decay[d0 + 8 * nt + 2 * t4]);
+        s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
+      }
+  #pragma unroll
+      for (int kc = 0; kc < kChunk / 16; ++kc)
+  #pragma unroll
+        for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
+          uint32_t bf[4];
+          sm80::ldmatrix_x4_trans(bf, kd_s + Shape::MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                          d0 / 8 + 2 * dp + (lane >> 4)));
+          sm80::mma_16816<Elem>(s[2 * dp], ua[kc], bf[0], bf[1]);
+          sm80::mma_16816<Elem>(s[2 * dp + 1], ua[kc], bf[2], bf[3]);
+        }
+    }
+
+    // ---- final state ------------------------------------------------------------------------
+    if (p.state_out != nullptr) {
+      const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
+  #pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt)
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
+          const int64_t i = base + state_offset(p.state_v_first, v, d);
+          if (p.state_out_dtype == DType::kBFloat16)
+            static_cast<__nv_bfloat16*>(p.state_out)[i] = __float2bfloat16(s[nt][e]);
+          else
+            static_cast<float*>(p.state_out)[i] = s[nt][e];
+        }
+    }
   }
+}
+
+// Whether this device runs the sm_90 image of kernel (an sm_80-only build on an H100 does not).
+template <typename Kernel>
+bool has_sm90_image(Kernel kernel) {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.binaryVersion >= 90;
+}
+
+template <typename Elem, int kBlockV, int kDSplit, bool kBulk>
+cudaError_t launch_recurrence_family(const ChunkParams& p, cudaStream_t stream) {
+  using Shape = RecurrenceShape<kBlockV, kDSplit>;
+  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kBulk>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(kHeadDim / kBlockV, p.HV, p.N), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <typename Elem, int kBlockV, int kDSplit>
 cudaError_t launch_recurrence(const ChunkParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
-  using Shape = RecurrenceShape<kBlockV, kDSplit>;
-  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<dim3(kHeadDim / kBlockV, p.HV, p.N), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  // The image check costs a driver call: once per process and instantiation (one device kind).
+  static const bool bulk_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kDSplit, true>);
+  if (p.kernel_family != KernelFamily::kSm80 && bulk_image)
+    return launch_recurrence_family<Elem, kBlockV, kDSplit, true>(p, stream);
+  return launch_recurrence_family<Elem, kBlockV, kDSplit, false>(p, stream);
 }
 
 }  // namespace chunk

@@ -320,7 +320,7 @@ template <typename Elem, int D>
 cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
   if constexpr (D == kDecodeBulkHeadDim) {
-    if (p.state_v_first && p.decode_family != DecodeFamily::kSm80) {
+    if (p.state_v_first && p.kernel_family != KernelFamily::kSm80) {
       // The sm_90 kernel takes the case when it covers it and the device has its code.
       const DType state = p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype;
       bool launched = false;

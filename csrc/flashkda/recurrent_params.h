@@ -15,10 +15,10 @@ enum class GateMode : int32_t {
   kSoftplus = 2,     // -exp(A_log) * softplus(g + dt_bias)
 };
 
-// Which kernel family runs a decode step. The sm_90 family (decode_bulk.cuh) serves the V-first
-// cases it covers on devices with its code; everything else runs the sm_80 family
-// (recurrent_kernel.cuh), which runs everywhere.
-enum class DecodeFamily : int32_t {
+// Which kernel family runs. The sm_90 family (decode_bulk.cuh; chunk_recurrence with bulk-copy
+// record loads) serves the cases it covers on devices with its code; everything else runs the sm_80
+// family (cp.async, mma.sync), which runs everywhere.
+enum class KernelFamily : int32_t {
   kAuto = 0,   // sm_90 where it applies, else sm_80
   kSm80 = 80,  // always sm_80
   kSm90 = 90,  // sm_90 where it applies, else sm_80
@@ -73,7 +73,7 @@ struct RecurrentParams {
   DType state_in_dtype, state_out_dtype;  // float32 or bfloat16
   IndexType cu_type, idx_type, accepted_type;
   int32_t num_sms;            // of the current device, for the block-shape choice
-  DecodeFamily decode_family;
+  KernelFamily kernel_family;
 };
 
 }  // namespace flashkda
