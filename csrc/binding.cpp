@@ -587,7 +587,8 @@ TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
 PYBIND11_MODULE(_C, m) {
   m.def("recurrent_fwd", &flashkda::recurrent_fwd, "token-by-token recurrence (see binding.cpp)");
   m.def("chunk_fwd", &flashkda::chunk_fwd, "chunked forward (see binding.cpp)");
-  PyObject* fused_recurrent = PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, nullptr);
+  PyObject* fused_recurrent =
+      PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();
   m.add_object("fused_recurrent", pybind11::reinterpret_steal<pybind11::object>(fused_recurrent));
 }
