@@ -17,9 +17,8 @@ except Exception:  # fla not installed (or no triton): baseline skipped
     fla_decode = None
 
 
-def _inputs(N, pool_dtype=torch.float32, gdn=False, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    dev = "cuda"
+def _inputs(N, pool_dtype=torch.float32, gdn=False, seed=0, dev="cuda"):
+    gen = torch.Generator(device=dev).manual_seed(seed)
     bf = torch.bfloat16
 
     def rnd(*shape):

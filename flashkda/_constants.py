@@ -1,7 +1,7 @@
 """Numerical constants of the contract and kernel limits, defined once.
 
-The CUDA side reads the same values from ``csrc/flashkda/constants.h``; ``tests/test_constants.py``
-checks that the two agree.
+The CUDA side reads the same values from ``csrc/flashkda/constants.h``; ``tests/test_api.py``
+(``test_cuda_constants_match_python``) checks that the two agree.
 """
 
 #: ``q / sqrt(sum(q^2) + L2NORM_EPS)`` in ``use_qk_l2norm_in_kernel``.

@@ -64,9 +64,10 @@ config = Config.from_env()
 try:
     from flashkda import _C  # noqa: F401  (registers torch.ops.flashkda)
 
+    fused_recurrent_fast = _C.fused_recurrent  # a build older than this package lacks it: rebuild
     HAS_EXTENSION = True
     EXTENSION_ERROR = None
-except ImportError as e:  # pure-Python install, or a build for another torch
+except (ImportError, AttributeError) as e:  # pure-Python install, a build for another torch, a stale build
     HAS_EXTENSION = False
     EXTENSION_ERROR = str(e)
     log.debug("flashkda: CUDA extension not available (%s); the PyTorch reference serves every call", e)

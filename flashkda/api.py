@@ -4,6 +4,10 @@ Every function validates its arguments first (``ValueError``/``TypeError`` namin
 then runs a CUDA kernel when the extension is present and the inputs are supported, and the
 PyTorch reference (:mod:`flashkda.reference`) otherwise. The reason for every fallback is logged at
 debug level on the ``flashkda`` logger. The CUDA path never synchronises with the device.
+
+Eager CUDA calls of the ``fused_recurrent_*`` functions (decode, where the host time of a call
+matters as much as the kernel's) first try one C++ entry point that checks every argument and
+launches; see :data:`_fast`.
 """
 
 from __future__ import annotations
@@ -27,6 +31,16 @@ _INDEX_TYPES = (torch.int32, torch.int64)
 
 # Gate modes of the kernels; values match flashkda::GateMode in csrc/flashkda/recurrent_params.h.
 GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = 0, 1, 2
+
+#: ``flashkda._C.fused_recurrent`` (None without the extension): the public ``fused_recurrent_*``
+#: arguments, positional, plus ``scalar_gate``. It applies every rule of :func:`_validate` and
+#: :func:`_kernel_unsupported` in C++ and, when the kernel takes the inputs as they are (nothing
+#: to copy), launches it and returns ``(o, final_state)``; otherwise it returns a str saying why
+#: not, and the call takes the general path (:func:`_recurrent`), which raises the documented
+#: errors, copies strided inputs or runs the reference. Compiled code (it needs the registered
+#: op) and ``FLASHKDA_FORCE_REFERENCE`` / ``FLASHKDA_DEBUG`` always take the general path.
+_fast = _ext.fused_recurrent_fast if _ext.HAS_EXTENSION else None
+_is_compiling = torch.compiler.is_compiling
 
 
 def _tensor(x: Any, name: str) -> torch.Tensor:
@@ -259,11 +273,15 @@ def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seql
     g, beta = _last_dim_contiguous(g), _last_dim_contiguous(beta)
     o = out if out is not None else torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
     if p.serving:
         pool = initial_state
         h0, ht = None, pool
         if ssm_state_indices.stride(-1) != 1:
             ssm_state_indices = ssm_state_indices.contiguous()
+        if num_accepted_tokens is not None:
+            num_accepted_tokens = num_accepted_tokens.contiguous()
     else:
         h0, ht = _states(p, initial_state, output_final_state, state_v_first, q.device)
     # Eager calls skip the dispatcher's boxing; traced code needs the registered op.
@@ -302,6 +320,8 @@ def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     h0, ht = _states(p, initial_state, output_final_state, state_v_first, q.device)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
     run = _ext.chunk_fwd_op if torch.compiler.is_compiling() else _ext.chunk_fwd_eager
     run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, o, p.scale, p.gate_mode,
         float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid, allow_neg_eigval,
@@ -428,6 +448,14 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                         state_v_first=False, cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
                         out=None, **kwargs):
+    if _fast is not None and not kwargs and not (_ext.config.force_reference or _ext.config.debug) \
+            and not _is_compiling():
+        r = _fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                  cu_seqlens, ssm_state_indices, num_accepted_tokens, out, False)
+        if r.__class__ is tuple:
+            return r
+        log.debug("flashkda: fused_recurrent_kda takes the general path: %s", r)
     return _recurrent("fused_recurrent_kda", False, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                       allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, ssm_state_indices,
@@ -439,6 +467,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None,
                                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                                      ssm_state_indices=None, num_accepted_tokens=None, out=None, **kwargs):
+    if _fast is not None and not kwargs and not (_ext.config.force_reference or _ext.config.debug) \
+            and not _is_compiling():
+        r = _fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                  cu_seqlens, ssm_state_indices, num_accepted_tokens, out, True)
+        if r.__class__ is tuple:
+            return r
+        log.debug("flashkda: fused_recurrent_gated_delta_rule takes the general path: %s", r)
     return _recurrent("fused_recurrent_gated_delta_rule", True, q, k, v, g, beta, A_log, dt_bias, scale,
                       initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                       use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,

@@ -1,5 +1,6 @@
 """Public API on the CPU: results, validation messages, dispatch reasons, varlen helpers."""
 
+import contextlib
 import logging
 import re
 from pathlib import Path
@@ -59,8 +60,8 @@ def test_transpose_state_layout_alias():
 # --------------------------------------------------------------------------------------------
 
 
-def _bad(mutate):
-    kw = make_inputs(lens=[3, 4], H=2, HV=4, D=8)
+def _bad(mutate, D=8):
+    kw = make_inputs(lens=[3, 4], H=2, HV=4, D=D)
     mutate(kw)
     return kw
 
@@ -114,12 +115,17 @@ SERVING_BAD = [
 ]
 
 
+def _serving_bad(extra, D=8):
+    kw = make_inputs(B=2, T=2, H=1, D=D, state=False)
+    kw["initial_state"] = torch.zeros(4, 1, D, D)
+    kw.update(extra)
+    return kw
+
+
 @pytest.mark.parametrize("name,exc,extra", SERVING_BAD, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(SERVING_BAD)])
 def test_bad_serving_input_is_rejected(name, exc, extra):
-    kw = make_inputs(B=2, T=2, H=1, D=8, state=False)
-    kw["initial_state"] = torch.zeros(4, 1, 8, 8)
     with pytest.raises(exc, match=re.escape(name)):
-        flashkda.fused_recurrent_kda(**kw, **extra)
+        flashkda.fused_recurrent_kda(**_serving_bad(extra))
 
 
 def test_serving_needs_a_pool():
@@ -166,6 +172,162 @@ def test_import_reports_extension_state():
     assert isinstance(flashkda.HAS_EXTENSION, bool)
     if not flashkda.HAS_EXTENSION:
         assert _ext.EXTENSION_ERROR
+
+
+# --------------------------------------------------------------------------------------------
+# The eager fast entry (flashkda._C.fused_recurrent): its checks, run on CPU tensors. It declines
+# CPU inputs at its last check, so a call that gets that answer passed every other one.
+# --------------------------------------------------------------------------------------------
+
+needs_extension = pytest.mark.skipif(not _ext.HAS_EXTENSION, reason="needs the compiled extension")
+#: The fast entry's answer for inputs it would launch on, but on the CPU (kNotCuda in csrc/binding.cpp).
+PASSED_ALL_BUT_DEVICE = "q: not on a CUDA device"
+#: Errors of values that only a host copy shows: the CUDA path never syncs to look (KDA_SPEC), so
+#: the fast entry passes them, and on the CPU the general path raises them.
+VALUE_ONLY = {"cu_seqlens": ValueError, "pool has 4 slots": ValueError}
+
+
+def _fast_answers(monkeypatch, fn, kw):
+    """What the fast entry answers to fn(**kw), which then goes on along the general path."""
+    from flashkda import api
+
+    answers = []
+
+    def spy(*args):
+        answers.append(_ext.fused_recurrent_fast(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(api, "_fast", spy)
+    try:
+        fn(**kw)
+    except (TypeError, ValueError):
+        pass
+    return answers
+
+
+def _decode(gdn=False, D=64, dtype=torch.bfloat16, **extra):
+    """A serving decode call the kernel takes as given (but on the CPU): bench/test_decode.py's kind."""
+    kw = make_inputs(B=3, T=1, H=2, HV=4, D=D, dtype=dtype, gdn=gdn, state=False, state_v_first=True)
+    kw.update(initial_state=torch.zeros(7, 4, D, D), ssm_state_indices=torch.tensor([5, -1, 0], dtype=torch.int32),
+              out=torch.empty_like(kw["v"]))
+    kw.update(extra)
+    return kw
+
+
+@needs_extension
+def test_fast_entry_takes_the_public_arguments_in_order():
+    import inspect
+
+    names = list(inspect.signature(_ext.fused_recurrent_fast).parameters)
+    for fn in (flashkda.fused_recurrent_kda, flashkda.fused_recurrent_gated_delta_rule):
+        public = [n for n in inspect.signature(fn).parameters if n != "kwargs"]
+        assert names == public + ["scalar_gate"]
+    with pytest.raises(TypeError, match="21 positional arguments"):
+        _ext.fused_recurrent_fast(1, 2)
+
+
+def _varlen_spec_decode():
+    kw = make_inputs(lens=[2, 0, 3], H=2, HV=4, D=64, dtype=torch.float16, state=False)
+    kw.update(initial_state=torch.zeros(9, 4, 64, 64, dtype=torch.bfloat16),
+              ssm_state_indices=torch.tensor([[1, 2, -1], [3, 4, 5], [6, 7, 8]]),
+              num_accepted_tokens=torch.tensor([1, 2, 3]))
+    return kw
+
+
+VALID_FOR_THE_KERNEL = {
+    "decode": lambda: _decode(),
+    "decode GDN": lambda: _decode(gdn=True),
+    "decode D=128, fp32, out allocated": lambda: _decode(D=128, dtype=torch.float32, out=None),
+    "decode K-first, dt_bias [HV, K], int scale": lambda: dict(_decode(state_v_first=False), scale=1,
+                                                                   dt_bias=torch.zeros(4, 64)),
+    "A_log as a Parameter, softplus gate": lambda: dict(_decode(), lower_bound=None,
+                                                        A_log=torch.nn.Parameter(torch.zeros(4))),
+    "precomputed gate": lambda: dict(_decode(), use_gate_in_kernel=False, A_log=None, dt_bias=None),
+    "varlen speculative decoding": _varlen_spec_decode,
+    "prefill with a new final state": lambda: dict(make_inputs(lens=[5, 1], H=2, D=64), output_final_state=True),
+    "fused q and k (strided rows)": lambda: dict(
+        _decode(), **dict(zip("qk", torch.randn(3, 1, 2, 2, 64).to(torch.bfloat16).unbind(2)))),
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("case", VALID_FOR_THE_KERNEL)
+def test_fast_entry_passes_calls_the_kernel_takes(monkeypatch, case):
+    kw = VALID_FOR_THE_KERNEL[case]()
+    fn = flashkda.fused_recurrent_gated_delta_rule if kw["g"].dim() == 3 else flashkda.fused_recurrent_kda
+    assert _fast_answers(monkeypatch, fn, kw) == [PASSED_ALL_BUT_DEVICE]
+
+
+@needs_extension
+@pytest.mark.parametrize("name,exc,mutate", BAD_INPUTS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_INPUTS)])
+def test_fast_entry_declines_bad_inputs(monkeypatch, name, exc, mutate):
+    """Every bad input of the contract is caught by the fast entry too (the general path then raises)."""
+    (answer,) = _fast_answers(monkeypatch, flashkda.fused_recurrent_kda, _bad(mutate, D=64))
+    if VALUE_ONLY.get(name) is exc:
+        assert answer == PASSED_ALL_BUT_DEVICE
+    else:
+        assert answer != PASSED_ALL_BUT_DEVICE
+        assert answer.startswith(f"{name}:") or name in ("heads", "dtype", "batch size"), answer
+
+
+@needs_extension
+@pytest.mark.parametrize("name,exc,extra", SERVING_BAD, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(SERVING_BAD)])
+def test_fast_entry_declines_bad_serving_inputs(monkeypatch, name, exc, extra):
+    (answer,) = _fast_answers(monkeypatch, flashkda.fused_recurrent_kda, _serving_bad(extra, D=64))
+    if VALUE_ONLY.get(name) is exc:
+        assert answer == PASSED_ALL_BUT_DEVICE
+    else:
+        assert name in answer and answer != PASSED_ALL_BUT_DEVICE
+
+
+class _FloatSub(float):
+    pass
+
+
+class _TensorSub(torch.Tensor):
+    pass
+
+
+GENERAL_PATH_ONLY = [
+    # inputs the general path copies first
+    ("q", lambda kw: kw.update(q=torch.randn(3, 1, 2, 64, 2).to(torch.bfloat16)[..., 0])),
+    ("initial_state", lambda kw: kw.update(initial_state=torch.zeros(7, 4, 64, 128)[..., ::2])),
+    ("cu_seqlens", lambda kw: kw.update(make_inputs(lens=[2, 1], H=2, HV=4, D=64), out=None,
+                                        cu_seqlens=torch.tensor([0, 9, 2, 9, 3], dtype=torch.int32)[::2],
+                                        ssm_state_indices=None)),
+    # inputs the reference serves
+    ("q", lambda kw: kw.update({n: kw[n].double() for n in ("q", "k", "v", "out")})),
+    ("v", lambda kw: kw.update(_decode(D=32))),
+    ("initial_state", lambda kw: kw.update(initial_state=kw["initial_state"].double())),
+    ("A_log", lambda kw: kw.update(A_log=kw["A_log"].double())),
+    ("A_log", lambda kw: kw.update(use_gate_in_kernel=False)),  # given, but no gate in the kernel
+    # arguments that Python judges by their own rules
+    ("state_v_first", lambda kw: kw.update(state_v_first=1)),
+    ("scale", lambda kw: kw.update(scale=_FloatSub(0.1))),
+    ("q", lambda kw: kw.update(q=kw["q"].as_subclass(_TensorSub))),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("name,mutate", GENERAL_PATH_ONLY,
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(GENERAL_PATH_ONLY)])
+def test_fast_entry_leaves_copies_and_the_reference_to_the_general_path(monkeypatch, name, mutate):
+    kw = _decode()
+    mutate(kw)
+    (answer,) = _fast_answers(monkeypatch, flashkda.fused_recurrent_kda, kw)
+    assert answer.startswith(f"{name}:"), answer
+
+
+@needs_extension
+@pytest.mark.parametrize("switch", ["force_reference", "debug", "kwargs"])
+def test_fast_entry_is_not_tried_under_switches_or_extra_kwargs(monkeypatch, switch):
+    kw = _decode()
+    if switch == "kwargs":
+        kw["transpose_state_layout"] = True
+    else:
+        monkeypatch.setattr(_ext.config, switch, True)
+    with pytest.warns(DeprecationWarning) if switch == "kwargs" else contextlib.nullcontext():
+        assert _fast_answers(monkeypatch, flashkda.fused_recurrent_kda, kw) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,6 +380,7 @@ def test_cuda_constants_match_python():
     eps = float(re.search(r"kL2NormEps = ([0-9.e+-]+)f", text).group(1))
     thr = float(re.search(r"kSoftplusThreshold = ([0-9.e+-]+)f", text).group(1))
     assert eps == C.L2NORM_EPS and thr == C.SOFTPLUS_THRESHOLD
+    assert float(re.search(r"kLowerBoundMin = ([0-9.e+-]+);", text).group(1)) == C.LOWER_BOUND_MIN
     switch = (ROOT / "csrc" / "flashkda" / "static_switch.h").read_text()
     dims = sorted(int(d) for d in re.findall(r"CONST_NAME = (\d+);", switch))
     assert tuple(dims) == C.KERNEL_HEAD_DIMS

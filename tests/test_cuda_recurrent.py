@@ -225,3 +225,113 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.cuda.synchronize()
     torch.testing.assert_close(out_c, out_e)
     torch.testing.assert_close(pool_c, pool_e)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager fast entry (flashkda._C.fused_recurrent) against the general path
+# --------------------------------------------------------------------------------------------
+
+
+def _fast_spy(monkeypatch):
+    """Answers of the fast entry, recorded, for the calls made after this."""
+    from flashkda import _ext, api
+
+    answers = []
+
+    def spy(*args):
+        answers.append(_ext.fused_recurrent_fast(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(api, "_fast", spy)
+    return answers
+
+
+def _serving(gdn=False, D=128, dtype=torch.bfloat16, pool_dtype=torch.float32, state_v_first=True, **extra):
+    kw = make_inputs(B=5, T=1, H=2, HV=4, D=D, dtype=dtype, gdn=gdn, device="cuda", state=False,
+                     state_v_first=state_v_first)
+    kw.update(initial_state=(0.1 * torch.randn(13, 4, D, D, device="cuda")).to(pool_dtype),
+              ssm_state_indices=torch.tensor([7, -1, 0, 12, 3], dtype=torch.int32, device="cuda"))
+    kw.update(extra)
+    return kw
+
+
+def _spec(index_dtype=torch.int64):
+    kw = make_inputs(lens=[3, 1, 2], H=2, HV=4, D=128, dtype=torch.bfloat16, device="cuda", state=False,
+                     state_v_first=True)
+    idx = torch.tensor([[1, 2, 3], [4, -1, -1], [5, 6, -1]], dtype=index_dtype, device="cuda")
+    kw.update(initial_state=0.1 * torch.randn(9, 4, 128, 128, device="cuda"), ssm_state_indices=idx,
+              num_accepted_tokens=torch.tensor([2, 1, 1], dtype=index_dtype, device="cuda"))
+    return kw
+
+
+FAST_CASES = {
+    "decode, out=": lambda: dict(_serving(), out=torch.empty(5, 1, 4, 128, dtype=torch.bfloat16, device="cuda")),
+    "decode GDN": lambda: _serving(gdn=True),
+    "decode, bf16 pool, K-first, D=64": lambda: _serving(D=64, pool_dtype=torch.bfloat16, state_v_first=False),
+    "decode fp16, softplus gate, dt_bias [HV, K]": lambda: dict(
+        _serving(dtype=torch.float16), lower_bound=None, dt_bias=torch.randn(4, 128, device="cuda")),
+    "decode fp32, precomputed gate, scale, neg eigval, no l2norm": lambda: dict(
+        _serving(dtype=torch.float32), use_gate_in_kernel=False, A_log=None, dt_bias=None, scale=0.05,
+        allow_neg_eigval=True, use_qk_l2norm_in_kernel=False),
+    "speculative decoding, varlen, int64 indices": _spec,
+    "prefill with initial and final state": lambda: dict(
+        make_inputs(lens=[5, 0, 9], H=2, HV=4, D=128, dtype=torch.bfloat16, device="cuda"), output_final_state=True),
+    "batch without states": lambda: make_inputs(B=3, T=4, H=2, D=64, dtype=torch.bfloat16, device="cuda",
+                                                state=False),
+}
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+def test_fast_entry_matches_the_general_path(monkeypatch, case):
+    """Bit for bit: the fast entry fills the kernel's parameters as the general path does."""
+    from flashkda import api
+
+    kw = FAST_CASES[case]()
+    fn = flashkda.fused_recurrent_gated_delta_rule if kw["g"].dim() == 3 else flashkda.fused_recurrent_kda
+    state = kw.get("initial_state")
+    kw_general = dict(kw, initial_state=None if state is None else state.clone())
+    if kw.get("out") is not None:
+        kw_general["out"] = torch.empty_like(kw["out"])
+    answers = _fast_spy(monkeypatch)
+    o, s = fn(**kw)
+    assert len(answers) == 1 and isinstance(answers[0], tuple), answers
+    if kw.get("out") is not None:
+        assert o is kw["out"]
+    if kw.get("ssm_state_indices") is not None:
+        assert s is kw["initial_state"]
+    monkeypatch.setattr(api, "_fast", None)
+    o_general, s_general = fn(**kw_general)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_general)
+    assert (s is None) == (s_general is None)
+    if s is not None:
+        assert torch.equal(s, s_general)
+
+
+def test_fast_entry_leaves_strided_inputs_to_the_general_path(monkeypatch):
+    kw = _serving()
+    kw["q"] = torch.randn(5, 1, 2, 128, 2, device="cuda").to(torch.bfloat16)[..., 0]
+    answers = _fast_spy(monkeypatch)
+    o, _ = flashkda.fused_recurrent_kda(**kw)
+    assert answers == ["q: strided last dimension of q, k, v, g or beta"]
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("case", ["bad", "serving"])
+def test_bad_inputs_are_rejected_on_cuda(case):
+    """The contract's bad inputs on CUDA tensors: the same errors as on the CPU (the fast entry declines
+    them, the general path raises). Values that only a host copy shows are not checked on CUDA."""
+    import re
+
+    from test_api import BAD_INPUTS, SERVING_BAD, VALUE_ONLY, _bad, _serving_bad
+
+    def to_cuda(kw):
+        return {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+
+    cases = ([(n, e, _bad(m, D=64)) for n, e, m in BAD_INPUTS] if case == "bad" else
+             [(n, e, _serving_bad(x, D=64)) for n, e, x in SERVING_BAD])
+    for name, exc, kw in cases:
+        if VALUE_ONLY.get(name) is exc:
+            continue
+        with pytest.raises(exc, match=re.escape(name) if name not in ("heads", "dtype") else None):
+            flashkda.fused_recurrent_kda(**to_cuda(kw))

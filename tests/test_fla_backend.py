@@ -62,8 +62,8 @@ def _state(N, HV, D, device="cpu", seed=1):
     return (0.1 * torch.randn(N, HV, D, D, generator=gen)).to(device)
 
 
-def _counting(monkeypatch, module, name):
-    calls = []
+def _counting(monkeypatch, module, name, calls=None):
+    calls = [] if calls is None else calls
     orig = getattr(module, name)
 
     def spy(*args, **kwargs):
@@ -254,7 +254,18 @@ cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and flashkda'
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    return _counting(monkeypatch, kda_api, "_run_recurrent_kernel")
+    """flashkda kernel launches: the general path's (recurrent and chunked) and the eager fast entry's."""
+    calls = _counting(monkeypatch, kda_api, "_run_recurrent_kernel")
+    _counting(monkeypatch, kda_api, "_run_chunk_kernel", calls)
+
+    def fast(*args):
+        answer = _ext.fused_recurrent_fast(*args)
+        if isinstance(answer, tuple):
+            calls.append("fused_recurrent_fast")
+        return answer
+
+    monkeypatch.setattr(kda_api, "_fast", fast)
+    return calls
 
 
 def _serving_case(indices):
