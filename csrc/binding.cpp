@@ -98,6 +98,8 @@ void check_states(const RecurrentParams& p, const at::Tensor& q, const std::opti
     TORCH_CHECK(s->is_contiguous() && s->dim() == 4 && s->size(1) == p.HV && s->size(2) == p.D && s->size(3) == p.D,
                 "flashkda: state must be contiguous [slots, HV, D, D]");
     TORCH_CHECK(s->size(0) >= p.num_slots, "flashkda: state has fewer slots than sequences");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(s->data_ptr()) % 16 == 0,
+                "flashkda: state must be 16-byte aligned (the kernels move it in 16-byte pieces)");
     TORCH_CHECK(s->scalar_type() == at::kFloat || s->scalar_type() == at::kBFloat16,
                 "flashkda: state must be float32 or bfloat16");
   }
@@ -432,6 +434,7 @@ const char* check(PyObject* const* a, Call& c) {
         s->dim() != 4 || s->size(1) != HV || s->size(2) != K || s->size(3) != K ||
         (c.indices == nullptr && s->size(0) != c.N) || !s->is_contiguous())
       return "initial_state: not a contiguous float32/bfloat16 [N or slots, HV, K, V] beside q";
+    if (reinterpret_cast<uintptr_t>(s->data_ptr()) % 16 != 0) return "initial_state: not 16-byte aligned";
   }
 
   if (!optional_tensor(a[kOut], &c.out)) return "out: not a plain strided tensor";

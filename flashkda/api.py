@@ -235,6 +235,9 @@ def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) 
         return "float64 inputs"
     if initial_state is not None and initial_state.dtype not in (torch.float32, torch.bfloat16):
         return f"initial_state dtype {initial_state.dtype}"
+    # Data pointers are not traceable; under torch.compile the binding's check stands guard.
+    if initial_state is not None and not torch.compiler.is_compiling() and initial_state.data_ptr() % 16 != 0:
+        return "initial_state not 16-byte aligned (the kernels move states in 16-byte pieces)"
     for t, n in ((A_log, "A_log"), (dt_bias, "dt_bias")):
         if t is not None and t.dtype != torch.float32:
             return f"{n} dtype {t.dtype}"
