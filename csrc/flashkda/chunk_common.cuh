@@ -4,10 +4,17 @@
 #include <cstdint>
 
 #include "chunk_params.h"
+#include "mma_sm80.cuh"
 #include "token_math.cuh"
 
 namespace flashkda {
 namespace chunk {
+
+// Shared-memory (and workspace record) layout of the chunk matrices: [kChunk][kHeadDim] tiles (w,
+// q e^Γ, k e^{Γ_C−Γ}, and chunk_prepare's operand tiles) and [kChunk][kChunk] tiles (M, T), both
+// in 128-byte swizzled panels that ldmatrix and wgmma descriptors read alike.
+using MatTile = sm80::PanelTile<kChunk, kHeadDim / 8>;
+using SqTile = sm80::PanelTile<kChunk, kChunk / 8>;
 
 struct SeqSpan {
   int64_t batch;  // batch row of the token tensors

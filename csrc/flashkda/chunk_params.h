@@ -20,8 +20,9 @@ constexpr int kHeadDim = 128;
 
 // One workspace record per (chunk, value head), written by chunk_prepare, read by chunk_recurrence.
 // Matrices are row-major over the chunk's tokens c (padded tokens are zero rows and columns), each
-// row's 16-byte chunks XOR-swizzled as in shared memory (sm80::SwizzledTile): the record is the
-// image of chunk_recurrence's shared-memory stage, so one linear bulk copy loads it.
+// matrix in the 128-byte swizzled panels of shared memory (MatTile / SqTile, chunk_common.cuh): the
+// record is the image of chunk_recurrence's shared-memory stage, so one linear bulk copy loads it
+// and wgmma descriptors address it in place.
 //   w     [kChunk][kHeadDim] elem   T · (k ⊙ e^{Γ})          (Γ: log decay from the chunk start)
 //   qd    [kChunk][kHeadDim] elem   scale · q ⊙ e^{Γ}
 //   kd    [kChunk][kHeadDim] elem   k ⊙ e^{Γ_last − Γ}

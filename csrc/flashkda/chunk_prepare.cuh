@@ -45,8 +45,6 @@ using OpElem = __nv_bfloat16;
 constexpr int kF32Stride = kHeadDim + 4;
 constexpr int kSqStride = kChunk + 1;
 
-using MatTile = sm80::SwizzledTile<kHeadDim * 2 / 16>;  // [kChunk][kHeadDim] b16
-using SqTile = sm80::SwizzledTile<kChunk * 2 / 16>;     // [kChunk][kChunk] b16
 
 constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a

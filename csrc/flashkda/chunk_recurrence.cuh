@@ -26,6 +26,7 @@
 #include "chunk_params.h"
 #include "mma_sm80.cuh"
 #include "token_math.cuh"
+#include "wgmma_sm90.cuh"
 
 namespace flashkda {
 namespace chunk {
@@ -42,10 +43,8 @@ struct RecurrenceShape {
   // H200, and A100 blocks get at most 163 KB of shared memory.
   static constexpr int kStages = 2;
   static_assert(kDSplit == 1 || kDSplit == 2 || kDSplit == 4, "key split of 1, 2 or 4");
-  using MatTile = sm80::SwizzledTile<kHeadDim * 2 / 16>;
-  using SqTile = sm80::SwizzledTile<kChunk * 2 / 16>;
   using VTile = sm80::SwizzledTile<kBlockV * 2 / 16>;
-  struct Stage {
+  struct alignas(1024) Stage {  // 1024-byte aligned: wgmma reads the 128-byte swizzled tiles in place
     alignas(16) uint8_t w[kChunk * kHeadDim * 2];
     alignas(16) uint8_t qd[kChunk * kHeadDim * 2];
     alignas(16) uint8_t kd[kChunk * kHeadDim * 2];
@@ -69,15 +68,15 @@ constexpr bool record_is_stage_image() {
          offsetof(Stage, v) == WorkspaceLayout::kRecordBytes;
 }
 
-// Starts the loads of one chunk into a stage: the record with the copy engine (kBulk, sm_90: bulk
+// Starts the loads of one chunk into a stage: the record with the copy engine (kSm90, sm_90: bulk
 // copies counted on `bar`) or with cp.async (sm_80 family); the v tile with cp.async (one group).
-template <typename Elem, typename Shape, bool kBulk>
+template <typename Elem, typename Shape, bool kSm90>
 __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape::Stage& st, uint64_t* bar,
                                            const uint8_t* rec, const Elem* vrow0, int len) {
   constexpr int kBlockV = Shape::kBlockV;
   static_assert(record_is_stage_image<typename Shape::Stage>(), "stage layout = record layout");
   const int tid = threadIdx.x;
-  if constexpr (kBulk) {
+  if constexpr (kSm90) {
 #ifdef FLASHKDA_BULK_COPY
     if (tid == 0) {
       constexpr uint32_t kPiece = 16384;  // several moderate copies rather than one of 64.5 KB
@@ -108,13 +107,13 @@ __device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
   return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;
 }
 
-// kBulk: the sm_90 family (record loads by the copy engine); its sm_80 image is empty and never
+// kSm90: the sm_90 family (record loads by the copy engine); its sm_80 image is empty and never
 // launched (launch_recurrence checks the image's architecture).
-template <typename Elem, int kBlockV, int kDSplit, bool kBulk>
+template <typename Elem, int kBlockV, int kDSplit, bool kSm90>
 __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1)
     chunk_recurrence_kernel(const ChunkParams p) {
 #ifndef FLASHKDA_BULK_COPY
-  if constexpr (kBulk) {
+  if constexpr (kSm90) {
     return;
   } else
 #endif
@@ -123,12 +122,12 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     using Stage = typename Shape::Stage;
     constexpr int kKeyTiles = Shape::kKeyCols / 8;  // n-tiles of the state per warp
     constexpr int kRowTiles = Shape::kRowTiles;
-    extern __shared__ __align__(16) uint8_t smem_raw[];
+    extern __shared__ __align__(1024) uint8_t smem_raw[];
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
     float* exchange = reinterpret_cast<float*>(smem_raw + Shape::kStages * sizeof(Stage));
     __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
   #ifdef FLASHKDA_BULK_COPY
-    if constexpr (kBulk) {
+    if constexpr (kSm90) {
       if (threadIdx.x == 0) {
         for (int i = 0; i < Shape::kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
         sm90::fence_mbarrier_init();
@@ -186,7 +185,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     constexpr int kStages = Shape::kStages;
     auto issue = [&](int64_t j) {  // loads of chunk j into its stage (one cp.async group, maybe empty)
       if (j < nchunks)
-        load_stage<Elem, Shape, kBulk>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
+        load_stage<Elem, Shape, kSm90>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
                                 vbase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
       sm80::cp_async_commit();
     };
@@ -198,7 +197,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       issue(j + kStages - 1);
       sm80::cp_async_wait<kStages - 1>();
   #ifdef FLASHKDA_BULK_COPY
-      if constexpr (kBulk) sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
+      if constexpr (kSm90) sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
   #endif
       __syncthreads();
 
@@ -222,30 +221,59 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         for (int np = kc; np < kChunk / 16; ++np) {
           if (np / kRowTiles != ds) continue;  // compile-time register indices, run-time ownership
           uint32_t bf[4];
-          sm80::ldmatrix_x4(bf, tinv_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+          sm80::ldmatrix_x4(bf, tinv_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
                                                                      2 * kc + ((lane >> 3) & 1)));
           sm80::mma_16816<Elem>(u[2 * np], af, bf[0], bf[1]);
           sm80::mma_16816<Elem>(u[2 * np + 1], af, bf[2], bf[3]);
         }
       }
       // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ  over this warp's key columns
-  #pragma unroll
-      for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
-        const uint32_t a[4] = {sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]), sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]),
-                               sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]),
-                               sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3])};
-        const uint32_t na[4] = {sm80::neg2(a[0]), sm80::neg2(a[1]), sm80::neg2(a[2]), sm80::neg2(a[3])};
-  #pragma unroll
-        for (int np = 0; np < kChunk / 16; ++np) {
-          const uint32_t off = Shape::MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                            d0 / 8 + 2 * kd + ((lane >> 3) & 1));
-          uint32_t bw[4], bq[4];
-          sm80::ldmatrix_x4(bw, w_s + off);
-          sm80::ldmatrix_x4(bq, qd_s + off);
-          sm80::mma_16816<Elem>(u[2 * np], na, bw[0], bw[1]);
-          sm80::mma_16816<Elem>(u[2 * np + 1], na, bw[2], bw[3]);
-          sm80::mma_16816<Elem>(o[2 * np], a, bq[0], bq[1]);
-          sm80::mma_16816<Elem>(o[2 * np + 1], a, bq[2], bq[3]);
+#ifdef FLASHKDA_WGMMA
+      if constexpr (kSm90 && kDSplit == 1) {
+        // One warpgroup (four warps, 64 value rows) per wgmma: A = Sᵀ from registers, B = w and q e^Γ
+        // read in place from the stage (K-major, 128-byte swizzle); −Sᵀwᵀ by an A scale of −1.
+        uint32_t a[kHeadDim / 16][4];
+#pragma unroll
+        for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+          a[kd][0] = sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]);
+          a[kd][1] = sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]);
+          a[kd][2] = sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]);
+          a[kd][3] = sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3]);
+        }
+        sm90::fence_operands(u);  // materialise u (the T v products) and o (zeros) before the fence
+        sm90::fence_operands(o);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+          const uint32_t koff = (kd / 4) * MatTile::kPanelBytes + (kd % 4) * 32;  // 16 key columns
+          sm90::wgmma_m64n64k16_rs<Elem, -1>(u, a[kd], sm90::smem_desc(w_s + koff, 16, 1024), true);
+          sm90::wgmma_m64n64k16_rs<Elem, 1>(o, a[kd], sm90::smem_desc(qd_s + koff, 16, 1024), true);
+        }
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(u);
+        sm90::fence_operands(o);
+      } else
+#endif
+      {
+    #pragma unroll
+        for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
+          const uint32_t a[4] = {sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]), sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]),
+                                 sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]),
+                                 sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3])};
+          const uint32_t na[4] = {sm80::neg2(a[0]), sm80::neg2(a[1]), sm80::neg2(a[2]), sm80::neg2(a[3])};
+    #pragma unroll
+          for (int np = 0; np < kChunk / 16; ++np) {
+            const uint32_t off = MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+                                                              d0 / 8 + 2 * kd + ((lane >> 3) & 1));
+            uint32_t bw[4], bq[4];
+            sm80::ldmatrix_x4(bw, w_s + off);
+            sm80::ldmatrix_x4(bq, qd_s + off);
+            sm80::mma_16816<Elem>(u[2 * np], na, bw[0], bw[1]);
+            sm80::mma_16816<Elem>(u[2 * np + 1], na, bw[2], bw[3]);
+            sm80::mma_16816<Elem>(o[2 * np], a, bq[0], bq[1]);
+            sm80::mma_16816<Elem>(o[2 * np + 1], a, bq[2], bq[3]);
+          }
         }
       }
       if constexpr (kDSplit > 1) {
@@ -290,7 +318,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         for (int np = kc; np < kChunk / 16; ++np) {
           if (np / kRowTiles != ds) continue;
           uint32_t bf[4];
-          sm80::ldmatrix_x4(bf, mqk_s + Shape::SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+          sm80::ldmatrix_x4(bf, mqk_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
                                                                     2 * kc + ((lane >> 3) & 1)));
           sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
           sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
@@ -325,16 +353,33 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         const float2 dec = *reinterpret_cast<const float2*>(&st.decay[d0 + 8 * nt + 2 * t4]);
         s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
       }
+  #ifdef FLASHKDA_WGMMA
+      if constexpr (kSm90 && kDSplit == 1) {
+        // Sᵀ (64 value rows x 128 key columns per warpgroup) += Uᵀ kd: B = kd rows (chunk tokens, K)
+        // of 128 key columns (N) in two 64-column panels, N-major.
+        sm90::fence_operands(s);  // the decayed state, before the fence
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc)
+          sm90::wgmma_m64n128k16_rs_mn<Elem>(s, ua[kc],
+                                             sm90::smem_desc(kd_s + kc * 16 * 128, MatTile::kPanelBytes, 1024));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<0>();
+        sm90::fence_operands(s);
+      } else
+#endif
+      {
   #pragma unroll
-      for (int kc = 0; kc < kChunk / 16; ++kc)
-  #pragma unroll
-        for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
-          uint32_t bf[4];
-          sm80::ldmatrix_x4_trans(bf, kd_s + Shape::MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                          d0 / 8 + 2 * dp + (lane >> 4)));
-          sm80::mma_16816<Elem>(s[2 * dp], ua[kc], bf[0], bf[1]);
-          sm80::mma_16816<Elem>(s[2 * dp + 1], ua[kc], bf[2], bf[3]);
-        }
+        for (int kc = 0; kc < kChunk / 16; ++kc)
+    #pragma unroll
+          for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
+            uint32_t bf[4];
+            sm80::ldmatrix_x4_trans(bf, kd_s + MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                            d0 / 8 + 2 * dp + (lane >> 4)));
+            sm80::mma_16816<Elem>(s[2 * dp], ua[kc], bf[0], bf[1]);
+            sm80::mma_16816<Elem>(s[2 * dp + 1], ua[kc], bf[2], bf[3]);
+          }
+      }
     }
 
     // ---- final state ------------------------------------------------------------------------
@@ -366,10 +411,10 @@ bool has_sm90_image(Kernel kernel) {
   return attr.binaryVersion >= 90;
 }
 
-template <typename Elem, int kBlockV, int kDSplit, bool kBulk>
+template <typename Elem, int kBlockV, int kDSplit, bool kSm90>
 cudaError_t launch_recurrence_family(const ChunkParams& p, cudaStream_t stream) {
   using Shape = RecurrenceShape<kBlockV, kDSplit>;
-  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kBulk>;
+  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kSm90>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<dim3(kHeadDim / kBlockV, p.HV, p.N), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);

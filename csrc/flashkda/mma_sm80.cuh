@@ -125,5 +125,22 @@ struct SwizzledTile {
   }
 };
 
+// Tiles of kRows rows of kRowChunks 16-byte chunks, stored as panels of eight chunks (128 bytes):
+// panel p holds chunks 8p..8p+7 of every row, rows 128 bytes apart, the chunk index XOR-swizzled
+// with row % 8. With a 1024-byte aligned base this is the 128-byte-swizzle layout that wgmma
+// descriptors name (8-row x 128-byte atoms), and ldmatrix reads of eight consecutive rows of one
+// chunk column still hit eight different bank groups.
+template <int kRows, int kRowChunks>
+struct PanelTile {
+  static_assert(kRows % 8 == 0 && kRowChunks % 8 == 0, "whole 8-row x 128-byte atoms");
+  static constexpr int kPanelBytes = kRows * 128;
+  __device__ __forceinline__ static uint32_t chunk_offset(int row, int chunk) {
+    return uint32_t((chunk >> 3) * kPanelBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+  }
+  __device__ __forceinline__ static uint32_t offset(int row, int col) {
+    return chunk_offset(row, col >> 3) + uint32_t((col & 7) * 2);
+  }
+};
+
 }  // namespace sm80
 }  // namespace flashkda
