@@ -31,7 +31,8 @@ def accuracy() -> None:
     lens, D = [700, 1348], 128
     T = sum(lens)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    for name, H, HV, gate in (("lower_bound", 4, 4, "lb"), ("lower_bound/sm80", 4, 4, "lb"), ("softplus", 4, 4, "sp"),
+    for name, H, HV, gate in (("lower_bound", 4, 4, "lb"), ("lower_bound/sm80", 4, 4, "lb"),
+                              ("lower_bound/sm90wgmma", 4, 4, "lb"), ("softplus", 4, 4, "sp"),
                               ("gva_x2", 4, 8, "lb"), ("gdn", 4, 4, "gdn"), ("fp16", 4, 4, "fp16")):
         dt = torch.float16 if gate == "fp16" else torch.bfloat16
         gdn = gate == "gdn"
@@ -43,7 +44,7 @@ def accuracy() -> None:
                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                   lower_bound=None if gate == "sp" else -5.0, state_v_first=True)
         fn = flashkda.chunk_gated_delta_rule if gdn else flashkda.chunk_kda
-        with kernel_family("sm80" if name.endswith("sm80") else _ext.config.kernel_family):
+        with kernel_family(name.split("/")[1] if "/" in name else _ext.config.kernel_family):
             o, s = fn(**kw, output_final_state=True)
         ro, rs = reference64(kw, output_final_state=True)
         print(f"accuracy {name:12s} output {rel_err(o, ro):.2e}  state {rel_err(s, rs):.2e}", flush=True)
@@ -83,12 +84,14 @@ def main() -> None:
             kw = _inputs(lens, H)
             for split in (int(x) for x in args.splits.split(",")):
                 _ext.config.chunk_value_split = split
-                for impl in ("lb", "softplus", "gdn", "sm80") if split == 0 else ("lb",):
+                for impl in ("lb", "softplus", "gdn", "sm80", "wgmma") if split == 0 else ("lb",):
                     if impl == "lb":
                         fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
-                    elif impl == "sm80":
+                    elif impl in ("sm80", "wgmma"):
+                        family = {"sm80": "sm80", "wgmma": "sm90wgmma"}[impl]
+
                         def fn():
-                            with kernel_family("sm80"):
+                            with kernel_family(family):
                                 flashkda.chunk_kda(**kw, **KDA_FLAGS)
                     elif impl == "softplus":
                         fl = dict(KDA_FLAGS, lower_bound=None, safe_gate=False)
@@ -99,7 +102,7 @@ def main() -> None:
                     ms = cuda_median_ms(fn, calls=20)
                     kt = kernel_times(fn)
                     name = {"lb": "flashkda", "softplus": "flashkda_softplus", "gdn": "flashkda_gdn",
-                            "sm80": "flashkda_sm80"}[impl]
+                            "sm80": "flashkda_sm80", "wgmma": "flashkda_sm90wgmma"}[impl]
                     record(case, name if split == 0 else f"{name}_split{split}", ms,
                            _floor(lens, H, gdn=impl == "gdn"), **{f"{k}_ms": round(v, 4) for k, v in kt.items()})
                     ks = " ".join(f"{k}={v:.3f}" for k, v in sorted(kt.items()))

@@ -70,9 +70,9 @@ std::atomic<int32_t> g_kernel_family{int32_t(KernelFamily::kAuto)};
 
 void set_kernel_family(int64_t family) {
   TORCH_CHECK(family == int64_t(KernelFamily::kAuto) || family == int64_t(KernelFamily::kSm80) ||
-                  family == int64_t(KernelFamily::kSm90),
+                  family == int64_t(KernelFamily::kSm90) || family == int64_t(KernelFamily::kSm90Wgmma),
               "flashkda: kernel family must be ", int(KernelFamily::kAuto), " (auto), ", int(KernelFamily::kSm80),
-              " or ", int(KernelFamily::kSm90), ", got ", family);
+              ", ", int(KernelFamily::kSm90), " or ", int(KernelFamily::kSm90Wgmma), ", got ", family);
   g_kernel_family.store(int32_t(family), std::memory_order_relaxed);
 }
 
@@ -611,7 +611,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("recurrent_fwd", &flashkda::recurrent_fwd, "token-by-token recurrence (see binding.cpp)");
   m.def("chunk_fwd", &flashkda::chunk_fwd, "chunked forward (see binding.cpp)");
   m.def("set_kernel_family", &flashkda::set_kernel_family,
-        "kernel family for every later call in this process: 0 auto, 80 sm_80 kernel, 90 sm_90 kernel "
+        "kernel family for every later call in this process: 0 auto, 80 sm_80 kernel, 90 sm_90 kernel, 91 sm_90 "
+        "with wgmma state products in the chunked recurrence, "
         "where it applies");
   m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80 or 90)");
   PyObject* fused_recurrent =

@@ -12,7 +12,8 @@ the run-time switches read from the environment at import.
   V-first state, K = V = 128, one slot per sequence, fp32 or bf16 state of one dtype, 16-byte
   aligned states) and the chunked recurrence with bulk-copy record loads; the sm_80 kernels serve
   everything else. ``sm80`` always runs the sm_80 kernels (cp.async, mma.sync), also on an H100 /
-  H200. ``set_kernel_family`` changes it at run time.
+  H200. ``sm90wgmma`` is ``sm90`` with the chunked recurrence's state products on warpgroup MMAs
+  (wgmma; not yet the default). ``set_kernel_family`` changes it at run time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _env_flag(name: str) -> bool:
 
 #: Kernel families by name, as the extension numbers them (``KernelFamily`` in
 #: csrc/flashkda/recurrent_params.h).
-KERNEL_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}
+KERNEL_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90, "sm90wgmma": 91}
 
 
 def _kernel_family_name(name: str, source: str) -> str:

@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python tests/sanitize_chunk.py
 
 Lengths 1, 15, 16, 17, 0, 97 with GVA, a bf16 initial state, masks (exact diagonal path) and
-every value split and both kernel families, so every code path of both kernels runs once.
+every value split and kernel family, so every code path of both kernels runs once.
 """
 
 import torch
@@ -15,7 +15,7 @@ from flashkda import _ext
 from helpers import make_inputs
 
 if __name__ == "__main__":
-    for family, split in [(f, s) for f in ("sm80", "sm90") for s in (1, 2, 4)]:
+    for family, split in [(f, s) for f in ("sm80", "sm90", "sm90wgmma") for s in (1, 2, 4)]:
         _ext.set_kernel_family(family)
         _ext.config.chunk_value_split = split
         for gate in ("lower_bound", "precomputed"):

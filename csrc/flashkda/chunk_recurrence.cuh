@@ -31,6 +31,11 @@
 namespace flashkda {
 namespace chunk {
 
+// How chunk_recurrence loads its records and runs the state products. The sm_80 family is
+// kCpAsyncMma; the sm_90 family kBulkMma (copy-engine loads), or kBulkWgmma (also the state products
+// on warpgroup MMAs), which KernelFamily::kSm90Wgmma selects while it is being validated.
+enum RecurrenceVariant : int { kCpAsyncMma = 0, kBulkMma = 1, kBulkWgmma = 2 };
+
 template <int kBlockV_, int kDSplit_>
 struct RecurrenceShape {
   static constexpr int kBlockV = kBlockV_;
@@ -68,15 +73,15 @@ constexpr bool record_is_stage_image() {
          offsetof(Stage, v) == WorkspaceLayout::kRecordBytes;
 }
 
-// Starts the loads of one chunk into a stage: the record with the copy engine (kSm90, sm_90: bulk
+// Starts the loads of one chunk into a stage: the record with the copy engine (sm_90 variants: bulk
 // copies counted on `bar`) or with cp.async (sm_80 family); the v tile with cp.async (one group).
-template <typename Elem, typename Shape, bool kSm90>
+template <typename Elem, typename Shape, int kVariant>
 __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape::Stage& st, uint64_t* bar,
                                            const uint8_t* rec, const Elem* vrow0, int len) {
   constexpr int kBlockV = Shape::kBlockV;
   static_assert(record_is_stage_image<typename Shape::Stage>(), "stage layout = record layout");
   const int tid = threadIdx.x;
-  if constexpr (kSm90) {
+  if constexpr (kVariant != kCpAsyncMma) {
 #ifdef FLASHKDA_BULK_COPY
     if (tid == 0) {
       constexpr uint32_t kPiece = 16384;  // several moderate copies rather than one of 64.5 KB
@@ -107,13 +112,13 @@ __device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
   return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;
 }
 
-// kSm90: the sm_90 family (record loads by the copy engine); its sm_80 image is empty and never
-// launched (launch_recurrence checks the image's architecture).
-template <typename Elem, int kBlockV, int kDSplit, bool kSm90>
+// kVariant (RecurrenceVariant): the sm_90 variants' sm_80 images are empty and never launched
+// (launch_recurrence checks the image's architecture).
+template <typename Elem, int kBlockV, int kDSplit, int kVariant>
 __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1)
     chunk_recurrence_kernel(const ChunkParams p) {
 #ifndef FLASHKDA_BULK_COPY
-  if constexpr (kSm90) {
+  if constexpr (kVariant != kCpAsyncMma) {
     return;
   } else
 #endif
@@ -127,7 +132,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     float* exchange = reinterpret_cast<float*>(smem_raw + Shape::kStages * sizeof(Stage));
     __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
   #ifdef FLASHKDA_BULK_COPY
-    if constexpr (kSm90) {
+    if constexpr (kVariant != kCpAsyncMma) {
       if (threadIdx.x == 0) {
         for (int i = 0; i < Shape::kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
         sm90::fence_mbarrier_init();
@@ -185,7 +190,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     constexpr int kStages = Shape::kStages;
     auto issue = [&](int64_t j) {  // loads of chunk j into its stage (one cp.async group, maybe empty)
       if (j < nchunks)
-        load_stage<Elem, Shape, kSm90>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
+        load_stage<Elem, Shape, kVariant>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
                                 vbase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
       sm80::cp_async_commit();
     };
@@ -197,7 +202,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       issue(j + kStages - 1);
       sm80::cp_async_wait<kStages - 1>();
   #ifdef FLASHKDA_BULK_COPY
-      if constexpr (kSm90) sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
+      if constexpr (kVariant != kCpAsyncMma) sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
   #endif
       __syncthreads();
 
@@ -229,7 +234,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       }
       // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ  over this warp's key columns
 #ifdef FLASHKDA_WGMMA
-      if constexpr (kSm90 && kDSplit == 1) {
+      if constexpr (kVariant == kBulkWgmma && kDSplit == 1) {
         // One warpgroup (four warps, 64 value rows) per wgmma: A = Sᵀ from registers, B = w and q e^Γ
         // read in place from the stage (K-major, 128-byte swizzle); −Sᵀwᵀ by an A scale of −1.
         uint32_t a[kHeadDim / 16][4];
@@ -354,7 +359,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
       }
   #ifdef FLASHKDA_WGMMA
-      if constexpr (kSm90 && kDSplit == 1) {
+      if constexpr (kVariant == kBulkWgmma && kDSplit == 1) {
         // Sᵀ (64 value rows x 128 key columns per warpgroup) += Uᵀ kd: B = kd rows (chunk tokens, K)
         // of 128 key columns (N) in two 64-column panels, N-major.
         sm90::fence_operands(s);  // the decayed state, before the fence
@@ -411,10 +416,10 @@ bool has_sm90_image(Kernel kernel) {
   return attr.binaryVersion >= 90;
 }
 
-template <typename Elem, int kBlockV, int kDSplit, bool kSm90>
-cudaError_t launch_recurrence_family(const ChunkParams& p, cudaStream_t stream) {
+template <typename Elem, int kBlockV, int kDSplit, int kVariant>
+cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream) {
   using Shape = RecurrenceShape<kBlockV, kDSplit>;
-  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kSm90>;
+  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kVariant>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<dim3(kHeadDim / kBlockV, p.HV, p.N), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
@@ -424,11 +429,14 @@ cudaError_t launch_recurrence_family(const ChunkParams& p, cudaStream_t stream) 
 template <typename Elem, int kBlockV, int kDSplit>
 cudaError_t launch_recurrence(const ChunkParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
-  // The image check costs a driver call: once per process and instantiation (one device kind).
-  static const bool bulk_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kDSplit, true>);
+  // The image checks cost a driver call: once per process and instantiation (one device kind).
+  static const bool bulk_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kBulkMma>);
+  static const bool wgmma_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kBulkWgmma>);
+  if (p.kernel_family == KernelFamily::kSm90Wgmma && wgmma_image)
+    return launch_recurrence_variant<Elem, kBlockV, kDSplit, kBulkWgmma>(p, stream);
   if (p.kernel_family != KernelFamily::kSm80 && bulk_image)
-    return launch_recurrence_family<Elem, kBlockV, kDSplit, true>(p, stream);
-  return launch_recurrence_family<Elem, kBlockV, kDSplit, false>(p, stream);
+    return launch_recurrence_variant<Elem, kBlockV, kDSplit, kBulkMma>(p, stream);
+  return launch_recurrence_variant<Elem, kBlockV, kDSplit, kCpAsyncMma>(p, stream);
 }
 
 }  // namespace chunk

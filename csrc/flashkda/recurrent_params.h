@@ -22,6 +22,7 @@ enum class KernelFamily : int32_t {
   kAuto = 0,   // sm_90 where it applies, else sm_80
   kSm80 = 80,  // always sm_80
   kSm90 = 90,  // sm_90 where it applies, else sm_80
+  kSm90Wgmma = 91,  // kSm90, with chunk_recurrence's state products on wgmma (opt-in for now)
 };
 
 struct RecurrentParams {
