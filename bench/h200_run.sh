@@ -6,7 +6,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # all | tests | bench | quick (TESTS, then bench/prefill_quick.py) | prefill (issue rows with the FLA
-# baselines, no sweep). FLA's Triton kernels compile on first use (minutes): budget for it.
+# baselines, no sweep) | check (every GPU test with a time limit per step, the 64-bit test, the
+# sanitizers on the chunked path, decode kernel times by family with FLA, host overhead, and
+# bench/prefill_quick.py on the issue rows: one call of about five minutes after the build).
+# FLA's Triton kernels compile on first use (minutes): budget for it.
 what=${1:-all}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -34,6 +37,19 @@ if [[ $what == quick ]]; then
   PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/prefill_quick.py --json "$OUT/quick.json" ${QUICK_ARGS:-} \
     2>&1 | grep -v -i warn || rc=1
   [[ ${HOTSPOTS:-0} == 1 ]] && PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} bash bench/ncu_hotspots.sh chunk_prepare
+fi
+if [[ $what == check ]]; then
+  export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
+  timeout ${TEST_LIMIT:-300} python3 -m pytest -q tests/ -m "not slow" --tb=line -p no:cacheprovider >"$OUT/tests.log" 2>&1
+  tail -2 "$OUT/tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-250
+  timeout 90 python3 -m pytest -q -m slow tests/test_cuda_chunk.py -p no:cacheprovider 2>&1 | tail -1
+  for tool in memcheck racecheck; do
+    timeout 120 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \
+      | grep -E "SUMMARY|Race reported|Invalid" | head -3
+  done
+  FLASHKDA_FLA_BACKEND=0 timeout 150 python3 bench/diagnose.py 2>&1 | grep -v -i warn | tail -8
+  FLASHKDA_FLA_BACKEND=0 timeout 60 python3 bench/host_profile.py 2>&1 | tail -11
+  timeout 200 python3 bench/prefill_quick.py --splits 0 --json "$OUT/quick.json" 2>&1 | grep -v -i warn
 fi
 if [[ $what == prefill ]]; then
   FLASHKDA_FLA_BACKEND=0 python3 -m pytest -q bench/test_prefill.py -m "not sweep" -p no:cacheprovider \
