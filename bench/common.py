@@ -83,8 +83,9 @@ def floor_ms(nbytes: float) -> float:
 
 
 def record(case: str, impl: str, median_ms: float, floor: float, **extra) -> dict:
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     rec = dict(case=case, impl=impl, median_ms=round(median_ms, 5), floor_ms=round(floor, 5),
-               date=datetime.date.today().isoformat(), **extra)
+               date=datetime.date.today().isoformat(), gpu=gpu, **extra)
     RESULTS.append(rec)
     if RESULTS_PATH:
         import json

@@ -1,9 +1,31 @@
-"""Turn benchmark records (bench/results/*.json) into a markdown table: one row per case, one column
-per implementation (median ms), the HBM floor, and each flashkda figure as a fraction of the floor."""
+"""Turn benchmark records (bench/results/*.json) into markdown: a generic table (one row per case,
+one column per implementation, median ms, the HBM floor, flashkda as a fraction of the floor), the
+issue tables of prefill and decode with their required times, and a PNG of time against T.
+
+    python bench/report.py RESULTS.json [--markdown table.md] [--plot prefill_vs_T.png]
+        [--update BENCHMARK_H200.md --command "the command that produced RESULTS.json"]
+        [--merge bench/results/h200.json]
+
+--update rewrites the generated sections of the file (between ``<!-- report:NAME -->`` and
+``<!-- /report:NAME -->``; appended when absent) with the command, dates, GPU and tables. --merge
+adds the records to a results file, replacing those of the same case and implementation.
+"""
 
 import argparse
 import json
+import os
+import sys
 from collections import OrderedDict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cases import (DECODE_BF16_POOL_REQUIRED_MS, DECODE_NS, DECODE_REQUIRED_MS,  # noqa: E402
+                   HOST_OVERHEAD_REQUIRED_US, PREFILL_REQUIRED_MS, PREFILL_ROWS, decode_case)
+
+PREFILL_COLUMNS = [("flashkda", "flashkda"), ("flashkda_softplus", "softplus"), ("flashkda_gdn", "GDN"),
+                   ("flashkda_sm80", "sm80 family"), ("fla_chunk_kda", "FLA chunk_kda"),
+                   ("fla_chunk_gdn", "FLA GDN")]
+DECODE_COLUMNS = [("flashkda", "flashkda"), ("flashkda_bf16pool", "bf16 pool"), ("flashkda_gdn", "GDN"),
+                  ("fla_fused_recurrent_kda", "FLA")]
 
 
 def table(records):
@@ -54,14 +76,103 @@ def plot(records, path):
     fig.savefig(path, dpi=120)
 
 
+def _ms(r):
+    return f"{r['median_ms']:.3f}" if r else "—"
+
+
+def _met(value, bound):
+    return "—" if value is None else ("yes" if value <= bound else "no")
+
+
+def prefill_table(records) -> str:
+    """The prefill rows of the issue: every implementation's median, the floor, the bound."""
+    by = {(r["case"], r["impl"]): r for r in records}
+    head = ["case"] + [f"{name} ms" for _, name in PREFILL_COLUMNS] + ["floor ms", "flashkda / floor", "required",
+                                                                     "met"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case in PREFILL_ROWS:
+        ours = by.get((case, "flashkda"))
+        row = [case] + [_ms(by.get((case, impl))) for impl, _ in PREFILL_COLUMNS]
+        row += [f"{ours['floor_ms']:.3f}" if ours else "—",
+                f"{ours['floor_ms'] / ours['median_ms']:.0%}" if ours else "—",
+                f"≤ {PREFILL_REQUIRED_MS[case]:.2f}", _met(ours and ours["median_ms"], PREFILL_REQUIRED_MS[case])]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def decode_table(records) -> str:
+    """The decode rows of the issue (eager CUDA-event medians) with host overhead and the bounds."""
+    by = {(r["case"], r["impl"]): r for r in records}
+    head = ["case"] + [f"{name} ms" for _, name in DECODE_COLUMNS] + ["floor ms", "flashkda / floor", "host µs",
+                                                                    "required", "met"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for N in DECODE_NS:
+        case = decode_case(N)
+        ours = by.get((case, "flashkda"))
+        host = ours.get("host_overhead_us") if ours else None
+        bf16 = by.get((case, "flashkda_bf16pool"))
+        required = f"≤ {DECODE_REQUIRED_MS[N]:.3f}"
+        met = _met(ours and ours["median_ms"], DECODE_REQUIRED_MS[N])
+        if N in DECODE_BF16_POOL_REQUIRED_MS:
+            required += f"; bf16 pool ≤ {DECODE_BF16_POOL_REQUIRED_MS[N]:.2f}"
+            met += " / " + _met(bf16 and bf16["median_ms"], DECODE_BF16_POOL_REQUIRED_MS[N])
+        row = [case] + [f"{by[(case, i)]['median_ms']:.4f}" if (case, i) in by else "—" for i, _ in DECODE_COLUMNS]
+        row += [f"{ours['floor_ms']:.4f}" if ours else "—",
+                f"{ours['floor_ms'] / ours['median_ms']:.0%}" if ours else "—",
+                f"{host:.1f} (≤ {HOST_OVERHEAD_REQUIRED_US:.0f})" if host is not None else "—", required, met]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def section(kind: str, records, command: str) -> str:
+    """A generated section: provenance lines, then the table. Empty when no record is of this kind."""
+    cases = set(PREFILL_ROWS) if kind == "prefill" else {decode_case(N) for N in DECODE_NS}
+    mine = [r for r in records if r["case"] in cases]
+    if not mine:
+        return ""
+    dates = ", ".join(sorted({r["date"] for r in mine}))
+    gpus = ", ".join(sorted({r.get("gpu", "not recorded") for r in mine}))
+    table_text = prefill_table(mine) if kind == "prefill" else decode_table(mine)
+    return (f"Generated by `bench/report.py --update` from {len(mine)} records. Command: `{command}`. "
+            f"Date: {dates}. GPU: {gpus}. A dash: not measured in these records.\n\n{table_text}\n")
+
+
+def update_markdown(path: str, name: str, text: str) -> None:
+    """Replaces the generated section `name` of the markdown file, or appends it."""
+    begin, end = f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
+    doc = open(path).read() if os.path.exists(path) else ""
+    block = f"{begin}\n{text}{end}"
+    if begin in doc and end in doc:
+        doc = doc[: doc.index(begin)] + block + doc[doc.index(end) + len(end):]
+    else:
+        doc = doc.rstrip("\n") + f"\n\n{block}\n"
+    with open(path, "w") as f:
+        f.write(doc)
+
+
+def merge_records(path: str, records) -> list:
+    """The records of `path` with `records` added; a new record replaces one of the same (case, impl)."""
+    old = json.load(open(path)) if os.path.exists(path) else []
+    new_keys = {(r["case"], r["impl"]) for r in records}
+    merged = [r for r in old if (r["case"], r["impl"]) not in new_keys] + list(records)
+    with open(path, "w") as f:
+        f.write(json.dumps(merged, indent=1) + "\n")
+    return merged
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
     ap.add_argument("--markdown")
     ap.add_argument("--plot", help="PNG of time against T for the sweep cases")
+    ap.add_argument("--update", help="markdown file whose generated sections to rewrite (BENCHMARK_H200.md)")
+    ap.add_argument("--command", default="not recorded", help="the command that produced the records")
+    ap.add_argument("--merge", help="results file (bench/results/h200.json) to add these records to")
     args = ap.parse_args()
     with open(args.results) as f:
         records = json.load(f)
+    if args.merge:
+        merge_records(args.merge, records)
     if args.plot:
         plot(records, args.plot)
     records = [r for r in records if not r["case"].startswith("sweep_")]
@@ -70,6 +181,11 @@ def main():
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
+    if args.update:
+        for kind in ("prefill", "decode"):
+            body = section(kind, records, args.command)
+            if body:
+                update_markdown(args.update, kind, body)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 import flashkda
+from cases import DECODE_HEADS, DECODE_NS
 from common import cuda_median_ms, floor_ms, host_overhead_us, record
 
-H, D, SPARE = 32, 128, 8
-NS = [1, 16, 64, 256, 1024]
+D, SPARE = 128, 8
+H, NS = DECODE_HEADS, DECODE_NS
 
 try:
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_decode

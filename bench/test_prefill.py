@@ -12,19 +12,12 @@ import pytest
 import torch
 
 import flashkda
+from cases import PREFILL_ROWS, PREFILL_SWEEP
 from common import cuda_median_ms, floor_ms, kernel_family, record
 
 D = 128
-ROWS = {
-    "fixed_8k_H96": ([8192], 96),
-    "varlen6_8k_H96": ([1300, 547, 2048, 963, 271, 3063], 96),
-    "varlen_1024x8_H96": ([1024] * 8, 96),
-    "fixed_8k_H64": ([8192], 64),
-    "fixed_8k_H16": ([8192], 16),
-    "fixed_32k_H8": ([32768], 8),
-}
-# Time against T for the plot (bench/report.py --plot).
-SWEEP = {f"sweep_T{T}_H{H}": ([T], H) for H in (16, 32, 96) for T in (1024, 2048, 4096, 8192, 16384)}
+ROWS = PREFILL_ROWS
+SWEEP = PREFILL_SWEEP
 
 try:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_gdn

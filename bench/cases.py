@@ -1,0 +1,27 @@
+"""The benchmark cases of the issues and their required times, in one place (torch-free, so that
+bench/report.py runs anywhere). Times are median milliseconds on an H200 (shared/BENCH_SETUP.md)."""
+
+# Prefill rows: case -> (sequence lengths, heads); B = 1, D = 128.
+PREFILL_ROWS = {
+    "fixed_8k_H96": ([8192], 96),
+    "varlen6_8k_H96": ([1300, 547, 2048, 963, 271, 3063], 96),
+    "varlen_1024x8_H96": ([1024] * 8, 96),
+    "fixed_8k_H64": ([8192], 64),
+    "fixed_8k_H16": ([8192], 16),
+    "fixed_32k_H8": ([32768], 8),
+}
+PREFILL_REQUIRED_MS = {"fixed_8k_H96": 1.00, "varlen6_8k_H96": 1.00, "varlen_1024x8_H96": 0.85,
+                       "fixed_8k_H64": 0.75, "fixed_8k_H16": 0.45, "fixed_32k_H8": 1.00}
+# Time against T for the plot (bench/report.py --plot).
+PREFILL_SWEEP = {f"sweep_T{T}_H{H}": ([T], H) for H in (16, 32, 96) for T in (1024, 2048, 4096, 8192, 16384)}
+
+# Decode rows: N sequences of one token, H = 32, D = 128.
+DECODE_HEADS = 32
+DECODE_NS = [1, 16, 64, 256, 1024]
+DECODE_REQUIRED_MS = {1: 0.015, 16: 0.025, 64: 0.075, 256: 0.280, 1024: 1.120}
+DECODE_BF16_POOL_REQUIRED_MS = {256: 0.15}
+HOST_OVERHEAD_REQUIRED_US = 20.0
+
+
+def decode_case(N: int) -> str:
+    return f"decode_N{N}_H{DECODE_HEADS}"
