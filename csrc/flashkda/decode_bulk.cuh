@@ -45,8 +45,19 @@ namespace decode_bulk {
 constexpr int kSmemPerSm = 228 * 1024;
 constexpr int kSmemReservedPerBlock = 1024;
 
-// Value rows per work item: 16 KB of fp32 or 8 KB of bf16 state, one contiguous range.
-constexpr int kItemRows = 32;
+// The kernel's tuning: consumer warps per block, value rows per work item (one contiguous range of
+// state), resident blocks per SM (the rest of the shared memory becomes stages).
+// bench/harness/run_decode.sh times other choices against these.
+template <int kConsumerWarps_, int kItemRows_, int kBlocksPerSm_>
+struct Tuning {
+  static constexpr int kConsumerWarps = kConsumerWarps_;
+  static constexpr int kItemRows = kItemRows_;
+  static constexpr int kBlocksPerSm = kBlocksPerSm_;
+};
+// 32 rows: 16 KB of fp32 or 8 KB of bf16 state per item. A bf16 tile is half the bytes of an fp32
+// one, so tiles arrive twice as often: one more block (consumer warps) per SM keeps pace.
+template <typename StateT>
+using DefaultTuning = Tuning<4, 32, sizeof(StateT) == 4 ? 2 : 3>;
 
 // Mean tokens per sequence up to which this kernel takes a call (decode, speculative verification).
 // A long sequence is a chain of token latencies in either kernel, and the sm_80 kernel keeps more
@@ -72,12 +83,12 @@ enum StageFlags : uint32_t {
   kStaged = 4,  // the first token's vectors are in the stage
 };
 
-template <typename Elem, typename StateT>
+template <typename Elem, typename StateT, typename Tune>
 struct Shape {
   static constexpr int D = kDecodeBulkHeadDim;
-  static constexpr int kRows = kItemRows;
+  static constexpr int kRows = Tune::kItemRows;
   static constexpr int kBlocksV = D / kRows;
-  static constexpr int kConsumerWarps = 4;
+  static constexpr int kConsumerWarps = Tune::kConsumerWarps;
   static constexpr int kThreads = 32 * (kConsumerWarps + 1);  // + the producer warp
   static constexpr int kRowsPerWarp = kRows / kConsumerWarps;
   // A row of K spans 8 lanes, 16 bytes of state per shared-memory access: a quarter warp reads 128
@@ -103,10 +114,8 @@ struct Shape {
   static constexpr int kBarrierBytes = 256;
   static constexpr int kScratch = kBarrierBytes;
   static constexpr int kStagesAt = round_up(kScratch + kConsumerWarps * int(sizeof(recurrent::TokenScratch<D>)), 128);
-  // A bf16 tile is half the bytes of an fp32 one, so tiles arrive twice as often: one more block
-  // (consumer warps) per SM keeps pace. The rest of the shared memory goes to stages, so that
-  // several loads per block are in flight.
-  static constexpr int kBlocksPerSm = sizeof(StateT) == 4 ? 2 : 3;
+  // The rest of the shared memory goes to stages, so that several loads per block are in flight.
+  static constexpr int kBlocksPerSm = Tune::kBlocksPerSm;
   static constexpr int kStages = (kSmemPerSm / kBlocksPerSm - kSmemReservedPerBlock - kStagesAt) / kStageBytes;
   static constexpr int kSmemBytes = kStagesAt + kStages * kStageBytes;
 
@@ -258,9 +267,9 @@ __device__ __forceinline__ void store16(__nv_bfloat16* dst, const float (&x)[kVe
   *reinterpret_cast<uint4*>(dst) = raw;
 }
 
-template <typename Elem, typename StateT>
+template <typename Elem, typename StateT, typename Tune>
 __device__ __forceinline__ StageHeader plan_item(const RecurrentParams& p, const Plan& plan, uint32_t item) {
-  using S = Shape<Elem, StateT>;
+  using S = Shape<Elem, StateT, Tune>;
   const ItemCoords c = item_coords<S::kBlocksV>(p, item);
   const recurrent::Sequence seq = recurrent::resolve_sequence(p, c.n);
   StageHeader h;
@@ -304,10 +313,10 @@ __device__ __forceinline__ StageHeader shfl_header(const StageHeader& h, int src
 
 // Producer warp: the lanes resolve 32 items at once, then lane 0 hands them to the stages in order,
 // issuing each item's bulk loads as soon as its stage is free.
-template <typename Elem, typename StateT>
+template <typename Elem, typename StateT, typename Tune>
 __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& plan, unsigned char* smem, uint64_t* full,
                                         uint64_t* empty, int lane) {
-  using S = Shape<Elem, StateT>;
+  using S = Shape<Elem, StateT, Tune>;
   constexpr int D = S::D;
   const uint64_t evict_first = ptx::evict_first_policy();
   // Bytes of the first token's staged vectors; zero-sized rows are not staged.
@@ -323,7 +332,7 @@ __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& pl
   for (uint32_t base = blockIdx.x; base < plan.num_items; base += 32 * grid) {
     const uint32_t mine = base + lane * grid;
     StageHeader own{};
-    if (mine < plan.num_items) own = plan_item<Elem, StateT>(p, plan, mine);
+    if (mine < plan.num_items) own = plan_item<Elem, StateT, Tune>(p, plan, mine);
     const int count = int(std::min<uint32_t>(32, (plan.num_items - base + grid - 1) / grid));
     for (int j = 0; j < count; ++j) {
       const StageHeader h = shfl_header(own, j);
@@ -362,10 +371,10 @@ __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& pl
 
 // Consumer warps: warp w owns rows [w * kRowsPerWarp, (w + 1) * kRowsPerWarp) of every tile and
 // stores them itself, so the consumers never wait for each other.
-template <typename Elem, typename StateT>
+template <typename Elem, typename StateT, typename Tune>
 __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& plan, unsigned char* smem, uint64_t* full,
                                         uint64_t* empty, int warp, int lane) {
-  using S = Shape<Elem, StateT>;
+  using S = Shape<Elem, StateT, Tune>;
   constexpr int D = S::D, TK = S::kLanesK, VEC = S::kVec, CH = S::kChunks, RPT = S::kRowsPerThread;
   recurrent::TokenScratch<D>& sc = reinterpret_cast<recurrent::TokenScratch<D>*>(smem + S::kScratch)[warp];
   const int lane_k = lane % TK;
@@ -525,11 +534,11 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
 }
 #endif  // FLASHKDA_DECODE_BULK_DEVICE
 
-template <typename Elem, typename StateT>
-__global__ void __launch_bounds__(Shape<Elem, StateT>::kThreads, Shape<Elem, StateT>::kBlocksPerSm)
+template <typename Elem, typename StateT, typename Tune>
+__global__ void __launch_bounds__(Shape<Elem, StateT, Tune>::kThreads, Shape<Elem, StateT, Tune>::kBlocksPerSm)
     decode_step_bulk(const RecurrentParams p, const Plan plan) {
 #if FLASHKDA_DECODE_BULK_DEVICE
-  using S = Shape<Elem, StateT>;
+  using S = Shape<Elem, StateT, Tune>;
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // tile and token bytes landed
   uint64_t* empty = full + S::kStages;                 // every consumer warp is done with the stage
@@ -543,9 +552,9 @@ __global__ void __launch_bounds__(Shape<Elem, StateT>::kThreads, Shape<Elem, Sta
   }
   __syncthreads();
   if (warp == S::kConsumerWarps) {
-    produce<Elem, StateT>(p, plan, smem, full, empty, lane);
+    produce<Elem, StateT, Tune>(p, plan, smem, full, empty, lane);
   } else {
-    consume<Elem, StateT>(p, plan, smem, full, empty, warp, lane);
+    consume<Elem, StateT, Tune>(p, plan, smem, full, empty, warp, lane);
   }
 #endif
 }
@@ -569,13 +578,12 @@ inline bool stride_ok(int64_t stride, int elem_bytes, int64_t extent) {
 // The cases this kernel serves: decode-sized calls (kMaxMeanTokens), one slot per sequence, one
 // state dtype; the bulk copies need 16-byte aligned state tensors.
 template <typename StateT>
-bool covers(const RecurrentParams& p) {
+bool covers(const RecurrentParams& p, int blocks_v) {
   constexpr DType kState = state_dtype<StateT>();
-  constexpr int kBlocksV = kDecodeBulkHeadDim / kItemRows;
   if (p.D != kDecodeBulkHeadDim || !p.state_v_first) return false;
   if (p.slot_indices != nullptr && p.idx_cols > 0) return false;  // per-token slots
   if (p.H <= 0 || p.HV % p.H != 0) return false;
-  if (int64_t(p.N) * p.HV * kBlocksV >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
+  if (int64_t(p.N) * p.HV * blocks_v >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
   const int64_t tokens = p.cu_seqlens != nullptr ? int64_t(p.T) : int64_t(p.B) * p.T;
   if (tokens > int64_t(kMaxMeanTokens) * p.N) return false;
   if (p.state_in != nullptr && (p.state_in_dtype != kState || !aligned16(p.state_in))) return false;
@@ -603,9 +611,9 @@ bool tokens_stageable(const RecurrentParams& p) {
 // Resident blocks per SM on the current device, or 0 when the device has no sm_90 code of the
 // kernel (an sm_80-only build, or an older GPU). Queried once per device, which also sets the
 // kernel's shared-memory attributes there.
-template <typename Elem, typename StateT>
+template <typename Elem, typename StateT, typename Tune>
 int blocks_per_sm() {
-  using S = Shape<Elem, StateT>;
+  using S = Shape<Elem, StateT, Tune>;
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices];  // blocks + 1; 0: not queried yet
   int device = 0;
@@ -615,7 +623,7 @@ int blocks_per_sm() {
   }
   if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
     return known[device].load(std::memory_order_relaxed) - 1;
-  const auto kernel = decode_step_bulk<Elem, StateT>;
+  const auto kernel = decode_step_bulk<Elem, StateT, Tune>;
   cudaFuncAttributes attr;
   int blocks = 0;
   const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
@@ -633,12 +641,12 @@ int blocks_per_sm() {
 
 }  // namespace decode_bulk
 
-template <typename Elem, typename StateT>
-cudaError_t run_decode_bulk(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
-  using S = decode_bulk::Shape<Elem, StateT>;
+template <typename Elem, typename StateT, typename Tune>
+cudaError_t run_decode_bulk_tuned(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
+  using S = decode_bulk::Shape<Elem, StateT, Tune>;
   launched = false;
-  if (!decode_bulk::covers<StateT>(p)) return cudaSuccess;
-  const int per_sm = decode_bulk::blocks_per_sm<Elem, StateT>();
+  if (!decode_bulk::covers<StateT>(p, S::kBlocksV)) return cudaSuccess;
+  const int per_sm = decode_bulk::blocks_per_sm<Elem, StateT, Tune>();
   if (per_sm == 0) return cudaSuccess;
   launched = true;
   if (p.N == 0) return cudaSuccess;
@@ -653,8 +661,13 @@ cudaError_t run_decode_bulk(const RecurrentParams& p, cudaStream_t stream, bool&
   plan.num_items = uint32_t(int64_t(p.N) * p.HV * S::kBlocksV);
   plan.stage_tokens = decode_bulk::tokens_stageable<Elem>(p);
   const unsigned grid = unsigned(std::min<int64_t>(plan.num_items, int64_t(sms) * per_sm));
-  decode_bulk::decode_step_bulk<Elem, StateT><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p, plan);
+  decode_bulk::decode_step_bulk<Elem, StateT, Tune><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p, plan);
   return cudaGetLastError();
+}
+
+template <typename Elem, typename StateT>
+cudaError_t run_decode_bulk(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
+  return run_decode_bulk_tuned<Elem, StateT, decode_bulk::DefaultTuning<StateT>>(p, stream, launched);
 }
 
 }  // namespace flashkda
