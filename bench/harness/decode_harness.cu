@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "flashkda/decode_bulk.cuh"
+#include "harness.cuh"
 
 #ifndef CONSUMER_WARPS
 #define CONSUMER_WARPS 4
@@ -33,46 +34,10 @@
 using Tune = flashkda::decode_bulk::Tuning<CONSUMER_WARPS, ITEM_ROWS, BLOCKS_PER_SM>;
 using StateT = STATE;
 
-#define CHECK(x)                                                            \
-  do {                                                                      \
-    cudaError_t e_ = (x);                                                   \
-    if (e_ != cudaSuccess) {                                                \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));         \
-      return 1;                                                             \
-    }                                                                       \
-  } while (0)
-
-__global__ void fill(__nv_bfloat16* x, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-    x[i] = __float2bfloat16((h & 0xffff) / 32768.f - 1.f);
-  }
-}
-
 template <typename T>
 __global__ void fill_state(T* x, size_t n) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
     x[i] = T(0.01f * float(int(i % 199) - 99) / 99.f);
-}
-
-template <typename F>
-float median_ms(F&& launch, int reps) {
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> t;
-  for (int i = 0; i < reps + 3; ++i) {
-    cudaEventRecord(a);
-    launch();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    float ms = 0;
-    cudaEventElapsedTime(&ms, a, b);
-    if (i >= 3) t.push_back(ms);
-  }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
 }
 
 int main(int argc, char** argv) {
@@ -86,8 +51,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&beta, size_t(N) * H * 2));
   CHECK(cudaMalloc(&pool, state * sizeof(StateT)));
   CHECK(cudaMalloc(&A_log, H * 4)); CHECK(cudaMalloc(&dt_bias, H * D * 4)); CHECK(cudaMalloc(&idx, N * 4));
-  fill<<<512, 256>>>(q, tok, 1); fill<<<512, 256>>>(k, tok, 2); fill<<<512, 256>>>(v, tok, 3);
-  fill<<<512, 256>>>(g, tok, 4); fill<<<512, 256>>>(beta, size_t(N) * H, 5);
+  fill_normal_bf16<<<512, 256>>>(q, tok, 1, 1.f); fill_normal_bf16<<<512, 256>>>(k, tok, 2, 1.f);
+  fill_normal_bf16<<<512, 256>>>(v, tok, 3, 1.f);
+  fill_normal_bf16<<<512, 256>>>(g, tok, 4, 1.f); fill_normal_bf16<<<512, 256>>>(beta, size_t(N) * H, 5, 1.f);
   fill_state<<<1024, 256>>>(pool, state);
   CHECK(cudaMemset(A_log, 0, H * 4)); CHECK(cudaMemset(dt_bias, 0, H * D * 4));
   std::vector<int32_t> perm(slots);

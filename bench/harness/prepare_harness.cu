@@ -16,25 +16,7 @@
 __device__ unsigned long long g_phase_cycles[16];
 #endif
 #include "flashkda/chunk_prepare.cuh"
-
-#define CHECK(x)                                                                  \
-  do {                                                                            \
-    cudaError_t e_ = (x);                                                         \
-    if (e_ != cudaSuccess) {                                                      \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));               \
-      return 1;                                                                   \
-    }                                                                             \
-  } while (0)
-
-__global__ void fill_normal_bf16(__nv_bfloat16* x, size_t n, uint32_t seed, float sd) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-    uint32_t h2 = h * 747796405u + 2891336453u;
-    const float u1 = (h & 0xffffff) / 16777216.f + 1e-7f, u2 = (h2 & 0xffffff) / 16777216.f;
-    x[i] = __float2bfloat16(sd * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
-  }
-}
+#include "harness.cuh"
 
 int main(int argc, char** argv) {
   const int T = argc > 1 ? std::atoi(argv[1]) : 8192, H = argc > 2 ? std::atoi(argv[2]) : 96;
@@ -66,21 +48,13 @@ int main(int argc, char** argv) {
   p.num_chunk_slots = p.chunks_per_seq;
   CHECK(cudaMalloc(&p.workspace, size_t(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes));
 
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0)); CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int it = 0; it < 25; ++it) {
-    CHECK(cudaEventRecord(e0));
-    CHECK(flashkda::run_chunk_prepare<__nv_bfloat16>(p, 0));
-    CHECK(cudaEventRecord(e1));
-    CHECK(cudaEventSynchronize(e1));
-    float t; CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (it >= 5) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  cudaError_t launch_err = cudaSuccess;
+  const float med = median_ms([&] { launch_err = flashkda::run_chunk_prepare<__nv_bfloat16>(p, 0); }, 20);
+  CHECK(launch_err);
+  CHECK(cudaDeviceSynchronize());
   const double bytes = double(n_tok) * 6 + double(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes;
-  std::printf("chunk_prepare T=%d H=%d: median %.3f ms (%.2f TB/s of inputs + records)\n", T, H, ms[ms.size() / 2],
-              bytes / (ms[ms.size() / 2] * 1e-3) / 1e12);
+  std::printf("chunk_prepare T=%d H=%d: median %.3f ms (%.2f TB/s of inputs + records)\n", T, H, med,
+              bytes / (med * 1e-3) / 1e12);
 #ifdef PHASE_CLOCKS
   unsigned long long cyc[16];
   CHECK(cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof(cyc)));
@@ -88,7 +62,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < 16; ++i) tot += cyc[i];
   for (int i = 0; i < 16; ++i)
     if (cyc[i]) std::printf("  phase %2d: %6.1f%%  %8.0f cycles per block\n", i, 100.0 * cyc[i] / tot,
-                            double(cyc[i]) / (25.0 * p.num_chunk_slots * H));
+                            double(cyc[i]) / (23.0 * p.num_chunk_slots * H));
 #endif
   return 0;
 }

@@ -156,9 +156,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     float s[kKeyTiles][4];
     {
       const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt)
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
           float x = 0.f;
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
                                 vbase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
       sm80::cp_async_commit();
     };
-  #pragma unroll
+#pragma unroll
     for (int j = 0; j < kStages - 1; ++j) issue(j);
     for (int64_t j = 0; j < nchunks; ++j) {
       Stage& st = stages[j % kStages];
@@ -210,19 +210,19 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       const uint32_t mqk_s = sm80::smem_u32(st.mqk), tinv_s = sm80::smem_u32(st.tinv), v_s = sm80::smem_u32(st.v);
 
       float u[kChunk / 8][4], o[kChunk / 8][4];
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kChunk / 8; ++nt)
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) u[nt][e] = o[nt][e] = 0.f;
 
       // Uᵀ = vᵀ Tᵀ for this warp's row tiles (T lower triangular: output tiles np >= kc only)
-  #pragma unroll
+#pragma unroll
       for (int kc = 0; kc < kChunk / 16; ++kc) {
         if (kc >= np0 + kRowTiles) break;
         uint32_t af[4];
         sm80::ldmatrix_x4_trans(af, v_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
                                                                      v_local / 8 + ((lane >> 3) & 1)));
-  #pragma unroll
+#pragma unroll
         for (int np = kc; np < kChunk / 16; ++np) {
           if (np / kRowTiles != ds) continue;  // compile-time register indices, run-time ownership
           uint32_t bf[4];
@@ -239,12 +239,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         // read in place from the stage (K-major, 128-byte swizzle); −Sᵀwᵀ by an A scale of −1.
         uint32_t a[kHeadDim / 16][4];
 #pragma unroll
-        for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-          a[kd][0] = sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]);
-          a[kd][1] = sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]);
-          a[kd][2] = sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]);
-          a[kd][3] = sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3]);
-        }
+        for (int kd = 0; kd < kHeadDim / 16; ++kd) sm80::accumulators_to_a<Elem>(s[2 * kd], s[2 * kd + 1], a[kd]);
         sm90::fence_operands(u);  // materialise u (the T v products) and o (zeros) before the fence
         sm90::fence_operands(o);
         sm90::wgmma_fence();
@@ -261,13 +256,12 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       } else
 #endif
       {
-    #pragma unroll
+#pragma unroll
         for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
-          const uint32_t a[4] = {sm80::pack2<Elem>(s[2 * kd][0], s[2 * kd][1]), sm80::pack2<Elem>(s[2 * kd][2], s[2 * kd][3]),
-                                 sm80::pack2<Elem>(s[2 * kd + 1][0], s[2 * kd + 1][1]),
-                                 sm80::pack2<Elem>(s[2 * kd + 1][2], s[2 * kd + 1][3])};
+          uint32_t a[4];
+          sm80::accumulators_to_a<Elem>(s[2 * kd], s[2 * kd + 1], a);
           const uint32_t na[4] = {sm80::neg2(a[0]), sm80::neg2(a[1]), sm80::neg2(a[2]), sm80::neg2(a[3])};
-    #pragma unroll
+#pragma unroll
           for (int np = 0; np < kChunk / 16; ++np) {
             const uint32_t off = MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
                                                               d0 / 8 + 2 * kd + ((lane >> 3) & 1));
@@ -285,22 +279,22 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         // Partial sums meet: every warp of the row group adds the others' Uᵀ (all of it) and Oᵀ (its
         // own row tiles). One float4 per lane and tile: conflict-free 16-byte accesses.
         float4* mine = reinterpret_cast<float4*>(exchange + warp * Shape::kExchangeFloats);
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < kChunk / 8; ++nt) {
           mine[nt * 32 + lane] = make_float4(u[nt][0], u[nt][1], u[nt][2], u[nt][3]);
           mine[(kChunk / 8 + nt) * 32 + lane] = make_float4(o[nt][0], o[nt][1], o[nt][2], o[nt][3]);
         }
         __syncthreads();
-  #pragma unroll
+#pragma unroll
         for (int other = 1; other < kDSplit; ++other) {
           const float4* theirs =
               reinterpret_cast<const float4*>(exchange + (vw * kDSplit + (ds + other) % kDSplit) * Shape::kExchangeFloats);
-  #pragma unroll
+#pragma unroll
           for (int nt = 0; nt < kChunk / 8; ++nt) {
             const float4 x = theirs[nt * 32 + lane];
             u[nt][0] += x.x, u[nt][1] += x.y, u[nt][2] += x.z, u[nt][3] += x.w;
           }
-  #pragma unroll
+#pragma unroll
           for (int nt = 0; nt < kChunk / 8; ++nt) {
             if (nt / (2 * kRowTiles) != ds) continue;
             const float4 x = theirs[(kChunk / 8 + nt) * 32 + lane];
@@ -309,17 +303,12 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         }
       }
       uint32_t ua[kChunk / 16][4];
-  #pragma unroll
-      for (int kc = 0; kc < kChunk / 16; ++kc) {
-        ua[kc][0] = sm80::pack2<Elem>(u[2 * kc][0], u[2 * kc][1]);
-        ua[kc][1] = sm80::pack2<Elem>(u[2 * kc][2], u[2 * kc][3]);
-        ua[kc][2] = sm80::pack2<Elem>(u[2 * kc + 1][0], u[2 * kc + 1][1]);
-        ua[kc][3] = sm80::pack2<Elem>(u[2 * kc + 1][2], u[2 * kc + 1][3]);
-      }
+#pragma unroll
+      for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
       // Oᵀ += Uᵀ mqkᵀ for this warp's row tiles (mqk lower triangular)
-  #pragma unroll
+#pragma unroll
       for (int kc = 0; kc < kChunk / 16; ++kc)
-  #pragma unroll
+#pragma unroll
         for (int np = kc; np < kChunk / 16; ++np) {
           if (np / kRowTiles != ds) continue;
           uint32_t bf[4];
@@ -331,10 +320,10 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       // Output: through this warp's rows and columns of the v tile, then 16-byte stores. The v reads
       // of the other warps of the row group ended before the exchange barrier (kDSplit > 1).
       __syncwarp();  // every lane's ldmatrix reads of these columns are done
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kChunk / 8; ++nt) {
         if (nt / (2 * kRowTiles) != ds) continue;
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
           *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
@@ -344,7 +333,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       {
         const int len = chunk_len(j);
         Elem* orow0 = obase + (seq.bos + j * kChunk) * p.o_token_stride + v_local;
-  #pragma unroll
+#pragma unroll
         for (int r = 0; r < kRowTiles; ++r) {
           const int c = 16 * (np0 + r) + (lane >> 1), half = lane & 1;
           if (c < len)
@@ -353,7 +342,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         }
       }
       // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd  over this warp's key columns
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt) {
         const float2 dec = *reinterpret_cast<const float2*>(&st.decay[d0 + 8 * nt + 2 * t4]);
         s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
@@ -374,9 +363,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       } else
 #endif
       {
-  #pragma unroll
+#pragma unroll
         for (int kc = 0; kc < kChunk / 16; ++kc)
-    #pragma unroll
+#pragma unroll
           for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
             uint32_t bf[4];
             sm80::ldmatrix_x4_trans(bf, kd_s + MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
@@ -390,9 +379,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     // ---- final state ------------------------------------------------------------------------
     if (p.state_out != nullptr) {
       const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
-  #pragma unroll
+#pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt)
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
           const int64_t i = base + state_offset(p.state_v_first, v, d);

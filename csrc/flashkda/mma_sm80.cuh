@@ -105,6 +105,16 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// The A fragment of a 16 x 16 operand (m16n8k16 and wgmma k16 register layout) from the two m16n8
+// accumulator tiles that hold its columns 0-7 and 8-15: accumulators feed the next product as is.
+template <typename Elem>
+__device__ __forceinline__ void accumulators_to_a(const float (&lo)[4], const float (&hi)[4], uint32_t (&a)[4]) {
+  a[0] = pack2<Elem>(lo[0], lo[1]);
+  a[1] = pack2<Elem>(lo[2], lo[3]);
+  a[2] = pack2<Elem>(hi[0], hi[1]);
+  a[3] = pack2<Elem>(hi[2], hi[3]);
+}
+
 // Negates both halves of a packed pair (sign bits; exact for bf16 and fp16).
 __device__ __forceinline__ uint32_t neg2(uint32_t x) { return x ^ 0x80008000u; }
 

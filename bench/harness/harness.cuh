@@ -1,0 +1,54 @@
+// Shared pieces of the standalone timing programs in bench/harness/ (no PyTorch): error checks in
+// main(), random bf16 inputs, median times of a launch sequence from CUDA events.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+// In main(): print the failing call and return 1.
+#define CHECK(x)                                                        \
+  do {                                                                  \
+    cudaError_t e_ = (x);                                               \
+    if (e_ != cudaSuccess) {                                            \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));     \
+      return 1;                                                         \
+    }                                                                   \
+  } while (0)
+
+// Normal(0, sd) bf16 values from a hash of the index (Box-Muller), reproducible per seed.
+__global__ void fill_normal_bf16(__nv_bfloat16* x, size_t n, uint32_t seed, float sd) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
+    uint32_t h2 = h * 747796405u + 2891336453u;
+    const float u1 = (h & 0xffffff) / 16777216.f + 1e-7f, u2 = (h2 & 0xffffff) / 16777216.f;
+    x[i] = __float2bfloat16(sd * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+// Median of `reps` timings of launch() on the default stream, after three warm-up rounds.
+template <typename F>
+float median_ms(F&& launch, int reps) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> t;
+  for (int i = 0; i < reps + 3; ++i) {
+    cudaEventRecord(a);
+    launch();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    if (i >= 3) t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
