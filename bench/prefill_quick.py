@@ -2,10 +2,10 @@
 each value split, with the per-kernel split of the time (torch.profiler). Prints a table.
 
     PYTHONPATH=.:bench python bench/prefill_quick.py [--rows fixed_8k_H96,...] [--no-accuracy]
-        [--splits 0,1,2,4] [--json out.json]
+        [--splits 0,1,2] [--json out.json]
 
 Records (impl flashkda, flashkda_softplus, flashkda_gdn for the automatic value split; flashkda_split1
-/ flashkda_split2 / flashkda_split4 for forced splits) use the timing and floor of bench/test_prefill.py.
+/ flashkda_split2 for forced splits) use the timing and floor of bench/test_prefill.py.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--no-accuracy", action="store_true")
-    ap.add_argument("--splits", default="0,1,2,4")
+    ap.add_argument("--splits", default="0,1,2")
     ap.add_argument("--json", help="write the records here (rewritten after each one)")
     args = ap.parse_args()
     common.RESULTS_PATH = args.json

@@ -513,7 +513,7 @@ PyMethodDef fused_recurrent_def = {
 // K == V == chunk::kHeadDim, bf16 or fp16 token tensors. The workspace (one record per chunk and
 // value head, plus the varlen chunk index) comes from PyTorch's caching allocator, so under
 // CUDA-graph capture it lives in the graph's private pool. value_split: blocks per (sequence,
-// head) in chunk_recurrence, 1, 2 or 4; 0 picks by the number of (sequence, head) chains.
+// head) in chunk_recurrence, 1 or 2; 0 picks by the number of (sequence, head) chains.
 void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
@@ -562,11 +562,9 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   p.kernel_family = static_cast<KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
   // chunk_recurrence runs one block per SM (its shared memory): split a chain's value columns over
   // two blocks only while all blocks still fit in one wave (measured on the H200: H = 64 split 0.29
-  // ms vs 0.49 unsplit; H = 96 split 0.57 ms, two waves, vs 0.50 unsplit). Split 4 (four blocks,
-  // and the key columns over four warps per row group) measured slower than split 2 on every row
-  // (BENCHMARK_H200.md): only on request.
+  // ms vs 0.49 unsplit; H = 96 split 0.57 ms, two waves, vs 0.50 unsplit).
   if (value_split == 0) value_split = 2 * int64_t(p.N) * p.HV <= p.num_sms ? 2 : 1;
-  TORCH_CHECK(value_split == 1 || value_split == 2 || value_split == 4, "flashkda: value_split must be 0, 1, 2 or 4");
+  TORCH_CHECK(value_split == 1 || value_split == 2, "flashkda: value_split must be 0, 1 or 2");
   p.value_split = int32_t(value_split);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;
@@ -575,9 +573,8 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     if (p.cu_seqlens != nullptr && err == cudaSuccess) err = run_chunk_index(p, stream);
     if (err == cudaSuccess) err = run_chunk_prepare<Elem>(p, stream);
     if (err == cudaSuccess)
-      err = value_split == 1   ? run_chunk_recurrence<Elem, chunk::kHeadDim, 1>(p, stream)
-            : value_split == 2 ? run_chunk_recurrence<Elem, chunk::kHeadDim / 2, 1>(p, stream)
-                               : run_chunk_recurrence<Elem, chunk::kHeadDim / 4, 4>(p, stream);
+      err = value_split == 1 ? run_chunk_recurrence<Elem, chunk::kHeadDim>(p, stream)
+                             : run_chunk_recurrence<Elem, chunk::kHeadDim / 2>(p, stream);
   };
   if (q.scalar_type() == at::kBFloat16) run(__nv_bfloat16{}); else run(__half{});
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked kernel launch failed: ", cudaGetErrorString(err));
@@ -611,10 +608,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("recurrent_fwd", &flashkda::recurrent_fwd, "token-by-token recurrence (see binding.cpp)");
   m.def("chunk_fwd", &flashkda::chunk_fwd, "chunked forward (see binding.cpp)");
   m.def("set_kernel_family", &flashkda::set_kernel_family,
-        "kernel family for every later call in this process: 0 auto, 80 sm_80 kernel, 90 sm_90 kernel, 91 sm_90 "
-        "with wgmma state products in the chunked recurrence, "
-        "where it applies");
-  m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80 or 90)");
+        "kernel family for every later call in this process: 0 auto, 80 sm_80 kernels, 90 sm_90 kernels where "
+        "they apply, 91 as 90 with the chunked recurrence's state products on wgmma");
+  m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80, 90 or 91)");
   PyObject* fused_recurrent =
       PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();

@@ -4,7 +4,7 @@ the run-time switches read from the environment at import.
 * ``FLASHKDA_FORCE_REFERENCE=1``: every call uses the PyTorch reference.
 * ``FLASHKDA_DEBUG=1``: checks that need the device's data (slot indices within the pool,
   ``cu_seqlens`` order on CUDA) run, synchronising, and raise instead of skipping.
-* ``FLASHKDA_CHUNK_VALUE_SPLIT=0|1|2|4``: blocks per (sequence, head) in the chunked recurrence;
+* ``FLASHKDA_CHUNK_VALUE_SPLIT=0|1|2``: blocks per (sequence, head) in the chunked recurrence;
   0 (default) chooses from the number of (sequence, head) chains and SMs.
 * ``FLASHKDA_KERNEL_FAMILY=auto|sm80|sm90``: the kernel family. ``sm90`` (and ``auto``, the
   default) runs the sm_90 kernels on an sm_90 device with an sm_90a build: the bulk-copy decode
@@ -53,8 +53,8 @@ class Config:
     @classmethod
     def from_env(cls) -> "Config":
         split = os.environ.get("FLASHKDA_CHUNK_VALUE_SPLIT", "0").strip() or "0"
-        if split not in ("0", "1", "2", "4"):
-            raise ValueError(f"flashkda: FLASHKDA_CHUNK_VALUE_SPLIT must be 0, 1, 2 or 4, got {split!r}")
+        if split not in ("0", "1", "2"):
+            raise ValueError(f"flashkda: FLASHKDA_CHUNK_VALUE_SPLIT must be 0, 1 or 2, got {split!r}")
         family = _kernel_family_name(os.environ.get("FLASHKDA_KERNEL_FAMILY", "auto"), "FLASHKDA_KERNEL_FAMILY")
         return cls(force_reference=_env_flag("FLASHKDA_FORCE_REFERENCE"), debug=_env_flag("FLASHKDA_DEBUG"),
                    chunk_value_split=int(split), kernel_family=family)

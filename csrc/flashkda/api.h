@@ -26,12 +26,11 @@ cudaError_t run_decode_bulk(const RecurrentParams& params, cudaStream_t stream, 
 
 // Chunked forward (prefill), K == V == chunk::kHeadDim. Launch order on one stream:
 // run_chunk_index (varlen only), run_chunk_prepare, run_chunk_recurrence. Elem: __nv_bfloat16 or
-// __half. kBlockV: value columns per block of chunk_recurrence (32, 64 or 128); kDSplit: warps that
-// share a group of 16 value rows, each over kHeadDim / kDSplit key columns (1, or 4 with 32 columns).
+// __half. kBlockV: value columns per block of chunk_recurrence (64 or 128).
 cudaError_t run_chunk_index(const ChunkParams& params, cudaStream_t stream);
 template <typename Elem>
 cudaError_t run_chunk_prepare(const ChunkParams& params, cudaStream_t stream);
-template <typename Elem, int kBlockV, int kDSplit>
+template <typename Elem, int kBlockV>
 cudaError_t run_chunk_recurrence(const ChunkParams& params, cudaStream_t stream);
 
 }  // namespace flashkda

@@ -52,7 +52,7 @@ struct ChunkParams : RecurrentParams {
   int32_t* chunk_offsets;     // [N + 1] device, varlen only (filled by the chunk_index kernel)
   int32_t num_chunk_slots;    // upper bound on the total chunk count: grid size of chunk_prepare
   int32_t chunks_per_seq;     // ceil(T / kChunk) without cu_seqlens
-  int32_t value_split;        // blocks per (sequence, head) in chunk_recurrence: kHeadDim / block V (1, 2, 4)
+  int32_t value_split;        // blocks per (sequence, head) in chunk_recurrence: kHeadDim / block V
 };
 
 }  // namespace flashkda

@@ -3,15 +3,11 @@
 // independently, so several blocks share a sequence when there are few (sequence, head) chains).
 //
 // The state is held transposed, Sᵀ [value rows v, key columns d], in the m16n8 accumulator layout
-// of mma.sync: warp (vw, ds) owns value rows 16vw..16vw+15 and key columns ds·kKeyCols ..
-// (ds+1)·kKeyCols − 1 (kDSplit warps share a row group; 64 / kDSplit fp32 registers per thread).
-// That layout doubles as the A operand of the next products, so per chunk
+// of mma.sync: warp w owns value rows 16w..16w+15, all 128 key columns (64 fp32 registers per
+// thread). That layout doubles as the A operand of the next products, so per chunk
 //     Uᵀ = (T v)ᵀ − Sᵀ wᵀ,   Oᵀ = Sᵀ qdᵀ + Uᵀ mqkᵀ,   Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
-// run from registers and shared memory. With kDSplit > 1 each warp forms the products over its key
-// columns only and the partial Uᵀ / Oᵀ meet in shared memory (Uᵀ summed by every warp, Oᵀ by the
-// warp that owns those chunk rows), so a chain's work per chunk spreads over more SMs and warps
-// when there are few chains (long sequences, few heads). The next chunk's record streams into a
-// second shared-memory stage (cp.async) while this one is computed.
+// run from registers and shared memory with no data exchanged between warps. The next chunk's
+// record streams into a second shared-memory stage while this one is computed.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,18 +32,14 @@ namespace chunk {
 // on warpgroup MMAs), which KernelFamily::kSm90Wgmma selects while it is being validated.
 enum RecurrenceVariant : int { kCpAsyncMma = 0, kBulkMma = 1, kBulkWgmma = 2 };
 
-template <int kBlockV_, int kDSplit_>
+template <int kBlockV_>
 struct RecurrenceShape {
   static constexpr int kBlockV = kBlockV_;
-  static constexpr int kDSplit = kDSplit_;              // warps sharing one group of 16 value rows
-  static constexpr int kKeyCols = kHeadDim / kDSplit;   // state key columns per warp
-  static constexpr int kRowTiles = kChunk / 16 / kDSplit;  // 16-token row tiles of O per warp
-  static constexpr int kWarps = kBlockV / 16 * kDSplit;
+  static constexpr int kWarps = kBlockV / 16;
   static constexpr int kThreads = 32 * kWarps;
   // Two records in flight: a third stage (it fits for 64 columns on sm_90) measured no faster on the
   // H200, and A100 blocks get at most 163 KB of shared memory.
   static constexpr int kStages = 2;
-  static_assert(kDSplit == 1 || kDSplit == 2 || kDSplit == 4, "key split of 1, 2 or 4");
   using VTile = sm80::SwizzledTile<kBlockV * 2 / 16>;
   struct alignas(1024) Stage {  // 1024-byte aligned: wgmma reads the 128-byte swizzled tiles in place
     alignas(16) uint8_t w[kChunk * kHeadDim * 2];
@@ -58,10 +50,7 @@ struct RecurrenceShape {
     alignas(16) float decay[kHeadDim];            // everything up to here: the workspace record's image
     alignas(16) uint8_t v[kChunk * kBlockV * 2];  // v, then this chunk's output (same columns)
   };
-  // Partial Uᵀ and Oᵀ of one warp (2 x 8 accumulator tiles x 4 values x 32 lanes), kDSplit > 1 only.
-  static constexpr int kExchangeFloats = 2 * (kChunk / 8) * 4 * 32;
-  static constexpr int kSmemBytes =
-      kStages * int(sizeof(Stage)) + (kDSplit > 1 ? kWarps * kExchangeFloats * int(sizeof(float)) : 0);
+  static constexpr int kSmemBytes = kStages * int(sizeof(Stage));
 };
 
 // The record is the image of the stage's first kRecordBytes (chunk_params.h): one linear copy.
@@ -114,8 +103,8 @@ __device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
 
 // kVariant (RecurrenceVariant): the sm_90 variants' sm_80 images are empty and never launched
 // (launch_recurrence checks the image's architecture).
-template <typename Elem, int kBlockV, int kDSplit, int kVariant>
-__global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1)
+template <typename Elem, int kBlockV, int kVariant>
+__global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     chunk_recurrence_kernel(const ChunkParams p) {
 #ifndef FLASHKDA_BULK_COPY
   if constexpr (kVariant != kCpAsyncMma) {
@@ -123,13 +112,11 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
   } else
 #endif
   {
-    using Shape = RecurrenceShape<kBlockV, kDSplit>;
+    using Shape = RecurrenceShape<kBlockV>;
     using Stage = typename Shape::Stage;
-    constexpr int kKeyTiles = Shape::kKeyCols / 8;  // n-tiles of the state per warp
-    constexpr int kRowTiles = Shape::kRowTiles;
+    constexpr int kKeyTiles = kHeadDim / 8;  // n-tiles of the state per warp
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
-    float* exchange = reinterpret_cast<float*>(smem_raw + Shape::kStages * sizeof(Stage));
     __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
   #ifdef FLASHKDA_BULK_COPY
     if constexpr (kVariant != kCpAsyncMma) {
@@ -144,11 +131,8 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     const int vblock = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, t4 = lane & 3;
-    const int vw = warp / kDSplit, ds = warp % kDSplit;
-    const int v_local = 16 * vw;                        // first value row of this warp within the block
+    const int v_local = 16 * warp;                      // first value row of this warp within the block
     const int v_glob = vblock * kBlockV + v_local;      // ... within the head
-    const int d0 = ds * Shape::kKeyCols;                // first key column of this warp
-    const int np0 = ds * kRowTiles;                     // first 16-token row tile of O this warp owns
     const SeqSpan seq = sequence_span(p, n);
     const int64_t chunks = num_chunks(seq.len);
 
@@ -160,7 +144,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
+          const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
           float x = 0.f;
           if (p.state_in != nullptr) {
             const int64_t i = base + state_offset(p.state_v_first, v, d);
@@ -198,7 +182,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
     for (int j = 0; j < kStages - 1; ++j) issue(j);
     for (int64_t j = 0; j < nchunks; ++j) {
       Stage& st = stages[j % kStages];
-      __syncthreads();  // every warp is done with the stage that the next load overwrites (and with exchange)
+      __syncthreads();  // every warp is done with the stage that the next load overwrites
       issue(j + kStages - 1);
       sm80::cp_async_wait<kStages - 1>();
   #ifdef FLASHKDA_BULK_COPY
@@ -215,16 +199,14 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
 #pragma unroll
         for (int e = 0; e < 4; ++e) u[nt][e] = o[nt][e] = 0.f;
 
-      // Uᵀ = vᵀ Tᵀ for this warp's row tiles (T lower triangular: output tiles np >= kc only)
+      // Uᵀ = vᵀ Tᵀ (T lower triangular: output tiles np >= kc only)
 #pragma unroll
       for (int kc = 0; kc < kChunk / 16; ++kc) {
-        if (kc >= np0 + kRowTiles) break;
         uint32_t af[4];
         sm80::ldmatrix_x4_trans(af, v_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
                                                                      v_local / 8 + ((lane >> 3) & 1)));
 #pragma unroll
         for (int np = kc; np < kChunk / 16; ++np) {
-          if (np / kRowTiles != ds) continue;  // compile-time register indices, run-time ownership
           uint32_t bf[4];
           sm80::ldmatrix_x4(bf, tinv_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
                                                                      2 * kc + ((lane >> 3) & 1)));
@@ -232,9 +214,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
           sm80::mma_16816<Elem>(u[2 * np + 1], af, bf[2], bf[3]);
         }
       }
-      // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ  over this warp's key columns
+      // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ
 #ifdef FLASHKDA_WGMMA
-      if constexpr (kVariant == kBulkWgmma && kDSplit == 1) {
+      if constexpr (kVariant == kBulkWgmma) {
         // One warpgroup (four warps, 64 value rows) per wgmma: A = Sᵀ from registers, B = w and q e^Γ
         // read in place from the stage (K-major, 128-byte swizzle); −Sᵀwᵀ by an A scale of −1.
         uint32_t a[kHeadDim / 16][4];
@@ -264,7 +246,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
 #pragma unroll
           for (int np = 0; np < kChunk / 16; ++np) {
             const uint32_t off = MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                              d0 / 8 + 2 * kd + ((lane >> 3) & 1));
+                                                              2 * kd + ((lane >> 3) & 1));
             uint32_t bw[4], bq[4];
             sm80::ldmatrix_x4(bw, w_s + off);
             sm80::ldmatrix_x4(bq, qd_s + off);
@@ -275,54 +257,24 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
           }
         }
       }
-      if constexpr (kDSplit > 1) {
-        // Partial sums meet: every warp of the row group adds the others' Uᵀ (all of it) and Oᵀ (its
-        // own row tiles). One float4 per lane and tile: conflict-free 16-byte accesses.
-        float4* mine = reinterpret_cast<float4*>(exchange + warp * Shape::kExchangeFloats);
-#pragma unroll
-        for (int nt = 0; nt < kChunk / 8; ++nt) {
-          mine[nt * 32 + lane] = make_float4(u[nt][0], u[nt][1], u[nt][2], u[nt][3]);
-          mine[(kChunk / 8 + nt) * 32 + lane] = make_float4(o[nt][0], o[nt][1], o[nt][2], o[nt][3]);
-        }
-        __syncthreads();
-#pragma unroll
-        for (int other = 1; other < kDSplit; ++other) {
-          const float4* theirs =
-              reinterpret_cast<const float4*>(exchange + (vw * kDSplit + (ds + other) % kDSplit) * Shape::kExchangeFloats);
-#pragma unroll
-          for (int nt = 0; nt < kChunk / 8; ++nt) {
-            const float4 x = theirs[nt * 32 + lane];
-            u[nt][0] += x.x, u[nt][1] += x.y, u[nt][2] += x.z, u[nt][3] += x.w;
-          }
-#pragma unroll
-          for (int nt = 0; nt < kChunk / 8; ++nt) {
-            if (nt / (2 * kRowTiles) != ds) continue;
-            const float4 x = theirs[(kChunk / 8 + nt) * 32 + lane];
-            o[nt][0] += x.x, o[nt][1] += x.y, o[nt][2] += x.z, o[nt][3] += x.w;
-          }
-        }
-      }
       uint32_t ua[kChunk / 16][4];
 #pragma unroll
       for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
-      // Oᵀ += Uᵀ mqkᵀ for this warp's row tiles (mqk lower triangular)
+      // Oᵀ += Uᵀ mqkᵀ (mqk lower triangular)
 #pragma unroll
       for (int kc = 0; kc < kChunk / 16; ++kc)
 #pragma unroll
         for (int np = kc; np < kChunk / 16; ++np) {
-          if (np / kRowTiles != ds) continue;
           uint32_t bf[4];
           sm80::ldmatrix_x4(bf, mqk_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
                                                                     2 * kc + ((lane >> 3) & 1)));
           sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
           sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
         }
-      // Output: through this warp's rows and columns of the v tile, then 16-byte stores. The v reads
-      // of the other warps of the row group ended before the exchange barrier (kDSplit > 1).
+      // Output: through this warp's own columns of the v tile, then 16-byte stores.
       __syncwarp();  // every lane's ldmatrix reads of these columns are done
 #pragma unroll
       for (int nt = 0; nt < kChunk / 8; ++nt) {
-        if (nt / (2 * kRowTiles) != ds) continue;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
@@ -334,21 +286,21 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
         const int len = chunk_len(j);
         Elem* orow0 = obase + (seq.bos + j * kChunk) * p.o_token_stride + v_local;
 #pragma unroll
-        for (int r = 0; r < kRowTiles; ++r) {
-          const int c = 16 * (np0 + r) + (lane >> 1), half = lane & 1;
+        for (int it = 0; it < kChunk / 16; ++it) {
+          const int c = 16 * it + (lane >> 1), half = lane & 1;
           if (c < len)
             *reinterpret_cast<uint4*>(orow0 + int64_t(c) * p.o_token_stride + 8 * half) =
                 *reinterpret_cast<const uint4*>(st.v + Shape::VTile::chunk_offset(c, v_local / 8 + half));
         }
       }
-      // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd  over this warp's key columns
+      // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
 #pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt) {
-        const float2 dec = *reinterpret_cast<const float2*>(&st.decay[d0 + 8 * nt + 2 * t4]);
+        const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
         s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
       }
   #ifdef FLASHKDA_WGMMA
-      if constexpr (kVariant == kBulkWgmma && kDSplit == 1) {
+      if constexpr (kVariant == kBulkWgmma) {
         // Sᵀ (64 value rows x 128 key columns per warpgroup) += Uᵀ kd: B = kd rows (chunk tokens, K)
         // of 128 key columns (N) in two 64-column panels, N-major.
         sm90::fence_operands(s);  // the decayed state, before the fence
@@ -369,7 +321,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
           for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
             uint32_t bf[4];
             sm80::ldmatrix_x4_trans(bf, kd_s + MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                            d0 / 8 + 2 * dp + (lane >> 4)));
+                                                                            2 * dp + (lane >> 4)));
             sm80::mma_16816<Elem>(s[2 * dp], ua[kc], bf[0], bf[1]);
             sm80::mma_16816<Elem>(s[2 * dp + 1], ua[kc], bf[2], bf[3]);
           }
@@ -383,7 +335,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV, kDSplit>::kThreads, 1
       for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int v = v_glob + g8 + 8 * (e >> 1), d = d0 + 8 * nt + 2 * t4 + (e & 1);
+          const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
           const int64_t i = base + state_offset(p.state_v_first, v, d);
           if (p.state_out_dtype == DType::kBFloat16)
             static_cast<__nv_bfloat16*>(p.state_out)[i] = __float2bfloat16(s[nt][e]);
@@ -405,34 +357,34 @@ bool has_sm90_image(Kernel kernel) {
   return attr.binaryVersion >= 90;
 }
 
-template <typename Elem, int kBlockV, int kDSplit, int kVariant>
+template <typename Elem, int kBlockV, int kVariant>
 cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream) {
-  using Shape = RecurrenceShape<kBlockV, kDSplit>;
-  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kVariant>;
+  using Shape = RecurrenceShape<kBlockV>;
+  auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kVariant>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<dim3(kHeadDim / kBlockV, p.HV, p.N), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename Elem, int kBlockV, int kDSplit>
+template <typename Elem, int kBlockV>
 cudaError_t launch_recurrence(const ChunkParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
   // The image checks cost a driver call: once per process and instantiation (one device kind).
-  static const bool bulk_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kBulkMma>);
-  static const bool wgmma_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kDSplit, kBulkWgmma>);
+  static const bool bulk_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kBulkMma>);
+  static const bool wgmma_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kBulkWgmma>);
   if (p.kernel_family == KernelFamily::kSm90Wgmma && wgmma_image)
-    return launch_recurrence_variant<Elem, kBlockV, kDSplit, kBulkWgmma>(p, stream);
+    return launch_recurrence_variant<Elem, kBlockV, kBulkWgmma>(p, stream);
   if (p.kernel_family != KernelFamily::kSm80 && bulk_image)
-    return launch_recurrence_variant<Elem, kBlockV, kDSplit, kBulkMma>(p, stream);
-  return launch_recurrence_variant<Elem, kBlockV, kDSplit, kCpAsyncMma>(p, stream);
+    return launch_recurrence_variant<Elem, kBlockV, kBulkMma>(p, stream);
+  return launch_recurrence_variant<Elem, kBlockV, kCpAsyncMma>(p, stream);
 }
 
 }  // namespace chunk
 
-template <typename Elem, int kBlockV, int kDSplit>
+template <typename Elem, int kBlockV>
 cudaError_t run_chunk_recurrence(const ChunkParams& params, cudaStream_t stream) {
-  return chunk::launch_recurrence<Elem, kBlockV, kDSplit>(params, stream);
+  return chunk::launch_recurrence<Elem, kBlockV>(params, stream);
 }
 
 }  // namespace flashkda
