@@ -358,24 +358,37 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
   // Per channel: sub-chunk totals τ, this slice's offset within its sub-chunk, pivots, factors.
+  constexpr int kSlicesPerSub = kSubChunk / kSliceTokens;
+  auto load_part = [&](int sl, float (&v)[8]) {
+    const float4 lo = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0]);
+    const float4 hi = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0 + 4]);
+    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+  };
   float tau[kSubChunks][8], off[8], later[8];  // off / later: earlier / later slices of this sub-chunk
 #pragma unroll
-  for (int e = 0; e < 8; ++e) off[e] = later[e] = 0.f;
-#pragma unroll
-  for (int a = 0; a < kSubChunks; ++a)
+  for (int a = 0; a < kSubChunks; ++a) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) tau[a][e] = 0.f;
 #pragma unroll
-  for (int sl = 0; sl < kChunk / kSliceTokens; ++sl) {
-    const float4 lo = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0]);
-    const float4 hi = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0 + 4]);
-    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    const int a = sl / (kSubChunk / kSliceTokens);
+    for (int i = 0; i < kSlicesPerSub; ++i) {
+      float v[8];
+      load_part(a * kSlicesPerSub + i, v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) tau[a][e] += v[e];
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) off[e] = later[e] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kSlicesPerSub; ++i) {  // the slices of this thread's own sub-chunk only
+    const int sl = sub * kSlicesPerSub + i;
+    if (sl == ts) continue;
+    float v[8];
+    load_part(sl, v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      tau[a][e] += v[e];
-      if (a == sub && sl < ts) off[e] += v[e];
-      if (a == sub && sl > ts) later[e] += v[e];
+      if (sl < ts) off[e] += v[e];
+      else later[e] += v[e];
     }
   }
   // Pivots: row side h_row, column side h_col (equal unless the channel's sub-chunk is wide).
