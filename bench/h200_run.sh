@@ -8,7 +8,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # all | tests | bench | quick (TESTS, then bench/prefill_quick.py) | prefill (issue rows with the FLA
 # baselines, no sweep) | check (every GPU test with a time limit per step, the 64-bit test, the
 # sanitizers on the chunked path, decode kernel times by family with FLA, host overhead, and
-# bench/prefill_quick.py on the issue rows: one call of about five minutes after the build).
+# bench/prefill_quick.py on the issue rows: one call of about five minutes after the build; with
+# DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh).
 # FLA's Triton kernels compile on first use (minutes): budget for it.
 what=${1:-all}
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -50,6 +51,8 @@ if [[ $what == check ]]; then
   FLASHKDA_FLA_BACKEND=0 timeout 150 python3 bench/diagnose.py 2>&1 | grep -v -i warn | tail -8
   FLASHKDA_FLA_BACKEND=0 timeout 60 python3 bench/host_profile.py 2>&1 | tail -11
   timeout 200 python3 bench/prefill_quick.py --splits 0 --json "$OUT/quick.json" 2>&1 | grep -v -i warn
+  [[ ${DECODE_SWEEP:-0} == 1 ]] && timeout 300 bash bench/harness/run_decode.sh
+  [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh
 fi
 if [[ $what == prefill ]]; then
   FLASHKDA_FLA_BACKEND=0 python3 -m pytest -q bench/test_prefill.py -m "not sweep" -p no:cacheprovider \
