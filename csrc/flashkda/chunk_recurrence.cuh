@@ -17,8 +17,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "chunk_common.cuh"
 #include "bulk_sm90.cuh"
+#include "chunk_common.cuh"
 #include "chunk_params.h"
 #include "mma_sm80.cuh"
 #include "token_math.cuh"
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
     __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
-  #ifdef FLASHKDA_BULK_COPY
+#ifdef FLASHKDA_BULK_COPY
     if constexpr (kVariant != kCpAsyncMma) {
       if (threadIdx.x == 0) {
         for (int i = 0; i < Shape::kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       }
       __syncthreads();
     }
-  #endif
+#endif
 
     const int vblock = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -185,9 +185,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       __syncthreads();  // every warp is done with the stage that the next load overwrites
       issue(j + kStages - 1);
       sm80::cp_async_wait<kStages - 1>();
-  #ifdef FLASHKDA_BULK_COPY
+#ifdef FLASHKDA_BULK_COPY
       if constexpr (kVariant != kCpAsyncMma) sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
-  #endif
+#endif
       __syncthreads();
 
       const uint32_t w_s = sm80::smem_u32(st.w), qd_s = sm80::smem_u32(st.qd), kd_s = sm80::smem_u32(st.kd);
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
         s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
       }
-  #ifdef FLASHKDA_WGMMA
+#ifdef FLASHKDA_WGMMA
       if constexpr (kVariant == kBulkWgmma) {
         // Sᵀ (64 value rows x 128 key columns per warpgroup) += Uᵀ kd: B = kd rows (chunk tokens, K)
         // of 128 key columns (N) in two 64-column panels, N-major.
