@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import statistics
 from typing import Callable, List
@@ -20,15 +19,7 @@ RESULTS: List[dict] = []
 RESULTS_PATH = None
 
 
-@contextlib.contextmanager
-def kernel_family(name: str):
-    """Runs the block with the kernel family ``name`` ("auto", "sm80" or "sm90"), then restores it."""
-    before = _ext.config.kernel_family
-    _ext.set_kernel_family(name)
-    try:
-        yield
-    finally:
-        _ext.set_kernel_family(before)
+kernel_family = _ext.kernel_family
 
 
 def cuda_median_ms(fn: Callable[[], object], warmup: int = 5, rounds: int = 2, calls: int = 50,

@@ -82,10 +82,8 @@ def main():
         kw = _inputs(N, pool)
         out = torch.empty_like(kw["v"])
         ours = graph_ms(lambda: flashkda.fused_recurrent_kda(**kw, out=out))
-        family = _ext.config.kernel_family
-        _ext.set_kernel_family("sm80")
-        sm80 = graph_ms(lambda: flashkda.fused_recurrent_kda(**kw, out=out))
-        _ext.set_kernel_family(family)
+        with _ext.kernel_family("sm80"):
+            sm80 = graph_ms(lambda: flashkda.fused_recurrent_kda(**kw, out=out))
         theirs = graph_ms(lambda: fla(**kw, inplace_final_state=True, out=out)) if fla and pool == torch.float32 \
             else float("nan")
         floor = _bytes(N, pool_bytes=pool.itemsize) / (bw * 1e12) * 1e3

@@ -15,7 +15,7 @@ out. Each figure: the best of 7 rounds of 2000 calls.
 
 import argparse
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import torch
@@ -66,12 +66,19 @@ def report(name, value, unit="host µs per call"):
     print(f"{unit:<18} {name:<64} {value:7.2f}", flush=True)
 
 
+@contextmanager
+def patched(patches):
+    """patches: (object, attribute, value) triples in force inside the block."""
+    with ExitStack() as stack:
+        for target, attr, value in patches:
+            stack.enter_context(mock.patch.object(target, attr, value, create=True))
+        yield
+
+
 def measure(rows, per_call_us):
-    """rows: (name, fn, patches), patches as (object, attribute, value) in force while fn is timed."""
+    """rows: (name, fn, patches); each fn timed with its patches in force."""
     for name, fn, patches in rows:
-        with ExitStack() as stack:
-            for target, attr, value in patches:
-                stack.enter_context(mock.patch.object(target, attr, value, create=True))
+        with patched(patches):
             report(name, per_call_us(fn))
 
 
@@ -108,9 +115,7 @@ def main_cuda():
     for name, fn, patches in (("fused_recurrent_kda(out=...)", kda, []),
                               ("fused_recurrent_gated_delta_rule(out=...)", gdn, []),
                               ("general path (fast entry off)", kda, general)):
-        with ExitStack() as stack:
-            for target, attr, value in patches:
-                stack.enter_context(mock.patch.object(target, attr, value))
+        with patched(patches):
             report(name, cuda_median_ms(fn, calls=100) * 1e3, "CUDA-event µs")
 
 

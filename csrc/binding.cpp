@@ -78,6 +78,8 @@ void set_kernel_family(int64_t family) {
 
 int64_t get_kernel_family() { return g_kernel_family.load(std::memory_order_relaxed); }
 
+KernelFamily kernel_family() { return static_cast<KernelFamily>(get_kernel_family()); }
+
 int num_sms(int device) {
   static int cached[64] = {0};
   if (device < 64 && cached[device] > 0) return cached[device];
@@ -213,7 +215,7 @@ void launch_recurrent(RecurrentParams& p, at::ScalarType elem, c10::DeviceIndex 
   c10::cuda::OptionalCUDAGuard guard;
   if (c10::cuda::current_device() != device) guard.set_index(device);
   p.num_sms = num_sms(device);
-  p.kernel_family = static_cast<KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
+  p.kernel_family = kernel_family();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   cudaError_t err = cudaSuccess;
   FLASHKDA_HEAD_DIM_SWITCH(p.D, kD, [&] {
@@ -559,7 +561,7 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 
   const c10::cuda::CUDAGuard guard(q.device());
   p.num_sms = num_sms(q.get_device());
-  p.kernel_family = static_cast<KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
+  p.kernel_family = kernel_family();
   // chunk_recurrence runs one block per SM (its shared memory): split a chain's value columns over
   // two blocks only while all blocks still fit in one wave (measured on the H200: H = 64 split 0.29
   // ms vs 0.49 unsplit; H = 96 split 0.57 ms, two waves, vs 0.50 unsplit).

@@ -18,6 +18,7 @@ the run-time switches read from the environment at import.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -75,11 +76,22 @@ except (ImportError, AttributeError) as e:  # pure-Python install, a build for a
 
 
 def set_kernel_family(name: str) -> None:
-    """Chooses the kernel family for every later call in this process: ``"auto"``,
-    ``"sm80"`` or ``"sm90"`` (see FLASHKDA_KERNEL_FAMILY above)."""
+    """Chooses the kernel family for every later call in this process: ``"auto"``, ``"sm80"``,
+    ``"sm90"`` or ``"sm90wgmma"`` (see FLASHKDA_KERNEL_FAMILY above)."""
     config.kernel_family = _kernel_family_name(name, "the kernel family")
     if HAS_EXTENSION:
         _C.set_kernel_family(KERNEL_FAMILIES[config.kernel_family])
+
+
+@contextlib.contextmanager
+def kernel_family(name: str):
+    """Runs the block with the kernel family ``name``, then restores the one before."""
+    before = config.kernel_family
+    set_kernel_family(name)
+    try:
+        yield name
+    finally:
+        set_kernel_family(before)
 
 
 if HAS_EXTENSION:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Dict, Optional, Sequence
 
@@ -114,12 +113,19 @@ def public_fn(kind: str, gdn: bool):
     return flashkda.fused_recurrent_gated_delta_rule if gdn else flashkda.fused_recurrent_kda
 
 
-@contextlib.contextmanager
-def kernel_family(name: str):
-    """Runs the block with the kernel family ``name`` ("auto", "sm80" or "sm90"), then restores it."""
-    before = _ext.config.kernel_family
-    _ext.set_kernel_family(name)
-    try:
-        yield name
-    finally:
-        _ext.set_kernel_family(before)
+kernel_family = _ext.kernel_family
+
+
+def fast_spy(monkeypatch) -> list:
+    """Records the answers of the eager fast entry (flashkda._C.fused_recurrent) to the calls made
+    after this: a tuple when it launched, else the str saying why the call took the general path."""
+    from flashkda import api
+
+    answers = []
+
+    def spy(*args):
+        answers.append(_ext.fused_recurrent_fast(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(api, "_fast", spy)
+    return answers

@@ -13,7 +13,7 @@ from flashkda import _constants as C
 from flashkda import _ext
 from flashkda.varlen import pack, unpack
 
-from helpers import make_inputs, public_fn, reference64, rel_err
+from helpers import fast_spy, make_inputs, public_fn, reference64, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,15 +191,7 @@ VALUE_ONLY = {"cu_seqlens": ValueError, "pool has 4 slots": ValueError}
 
 def _fast_answers(monkeypatch, fn, kw):
     """What the fast entry answers to fn(**kw), which then goes on along the general path."""
-    from flashkda import api
-
-    answers = []
-
-    def spy(*args):
-        answers.append(_ext.fused_recurrent_fast(*args))
-        return answers[-1]
-
-    monkeypatch.setattr(api, "_fast", spy)
+    answers = fast_spy(monkeypatch)
     try:
         fn(**kw)
     except (TypeError, ValueError):
@@ -410,13 +402,11 @@ def test_kernel_family_switch(monkeypatch):
     with pytest.raises(ValueError, match="FLASHKDA_KERNEL_FAMILY"):
         _ext.Config.from_env()
     before = _ext.config.kernel_family
-    try:
-        _ext.set_kernel_family("sm80")
+    with _ext.kernel_family("sm80"):
         assert _ext.config.kernel_family == "sm80"
         with pytest.raises(ValueError, match="kernel family"):
             _ext.set_kernel_family("fast")
-    finally:
-        _ext.set_kernel_family(before)
+    assert _ext.config.kernel_family == before
 
 
 def test_chunk_kernel_reasons_and_alignment():

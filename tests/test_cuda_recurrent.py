@@ -6,7 +6,8 @@ import torch
 import flashkda
 from flashkda.reference import kda_reference
 
-from helpers import HAS_CUDA_KERNELS, as_fp64_cpu, kernel_family, make_inputs, public_fn, reference64, rel_err
+from helpers import (HAS_CUDA_KERNELS, as_fp64_cpu, fast_spy, kernel_family, make_inputs, public_fn, reference64,
+                     rel_err)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")]
 
@@ -232,20 +233,6 @@ def test_torch_compile_fullgraph_matches_eager():
 # --------------------------------------------------------------------------------------------
 
 
-def _fast_spy(monkeypatch):
-    """Answers of the fast entry, recorded, for the calls made after this."""
-    from flashkda import _ext, api
-
-    answers = []
-
-    def spy(*args):
-        answers.append(_ext.fused_recurrent_fast(*args))
-        return answers[-1]
-
-    monkeypatch.setattr(api, "_fast", spy)
-    return answers
-
-
 def _serving(gdn=False, D=128, dtype=torch.bfloat16, pool_dtype=torch.float32, state_v_first=True, **extra):
     kw = make_inputs(B=5, T=1, H=2, HV=4, D=D, dtype=dtype, gdn=gdn, device="cuda", state=False,
                      state_v_first=state_v_first)
@@ -292,7 +279,7 @@ def test_fast_entry_matches_the_general_path(monkeypatch, case):
     kw_general = dict(kw, initial_state=None if state is None else state.clone())
     if kw.get("out") is not None:
         kw_general["out"] = torch.empty_like(kw["out"])
-    answers = _fast_spy(monkeypatch)
+    answers = fast_spy(monkeypatch)
     o, s = fn(**kw)
     assert len(answers) == 1 and isinstance(answers[0], tuple), answers
     if kw.get("out") is not None:
@@ -311,7 +298,7 @@ def test_fast_entry_matches_the_general_path(monkeypatch, case):
 def test_fast_entry_leaves_strided_inputs_to_the_general_path(monkeypatch):
     kw = _serving()
     kw["q"] = torch.randn(5, 1, 2, 128, 2, device="cuda").to(torch.bfloat16)[..., 0]
-    answers = _fast_spy(monkeypatch)
+    answers = fast_spy(monkeypatch)
     o, _ = flashkda.fused_recurrent_kda(**kw)
     assert answers == ["q: strided last dimension of q, k, v, g or beta"]
     assert torch.isfinite(o).all()

@@ -45,7 +45,6 @@ using OpElem = __nv_bfloat16;
 constexpr int kF32Stride = kHeadDim + 4;
 constexpr int kSqStride = kChunk + 1;
 
-
 constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
 
@@ -207,7 +206,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const Elem* qb = static_cast<const Elem*>(p.q) + c.batch * p.q_batch_stride + h * p.q_head_stride;
   const Elem* kb = static_cast<const Elem*>(p.k) + c.batch * p.k_batch_stride + h * p.k_head_stride;
   const char* gbytes = static_cast<const char*>(p.g);
-  const int g_size = p.g_dtype == DType::kFloat32 ? 4 : 2;
+  const int g_size = dtype_bytes(p.g_dtype);
 
   // ---- Phase 0: the raw chunk into shared memory (all loads in flight at once) ---------------
   {
@@ -307,39 +306,33 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
         for (int e = 0; e < 8; ++e) gl[i][e] = s.gate_scalar[t];
       } else if (g_size == 4) {
-        const float4 lo = *reinterpret_cast<const float4*>(&s.qi[t * kHeadDim + d0]);
-        const float4 hi = *reinterpret_cast<const float4*>(&s.qi[t * kHeadDim + d0 + 4]);
-        gl[i][0] = lo.x, gl[i][1] = lo.y, gl[i][2] = lo.z, gl[i][3] = lo.w;
-        gl[i][4] = hi.x, gl[i][5] = hi.y, gl[i][6] = hi.z, gl[i][7] = hi.w;
+        load_floats(&s.qi[t * kHeadDim + d0], gl[i]);
       } else {
         const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(s.qi) + (t * kHeadDim + d0) * 2);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
         if (p.g_dtype == DType::kBFloat16) {
+          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&v);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) gl[i][e] = __uint_as_float((e & 1 ? w[e / 2] >> 16 : w[e / 2] & 0xffffu) << 16);
+          for (int e = 0; e < 8; ++e) gl[i][e] = __bfloat162float(x[e]);
         } else {
+          const __half* x = reinterpret_cast<const __half*>(&v);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) gl[i][e] = __half2float(__ushort_as_half(uint16_t(e & 1 ? w[e / 2] >> 16 : w[e / 2])));
+          for (int e = 0; e < 8; ++e) gl[i][e] = __half2float(x[e]);
         }
       }
     }
     float bias[8];
-    {
-      const float4 lo = *reinterpret_cast<const float4*>(&s.bias[d0]);
-      const float4 hi = *reinterpret_cast<const float4*>(&s.bias[d0 + 4]);
-      bias[0] = lo.x, bias[1] = lo.y, bias[2] = lo.z, bias[3] = lo.w, bias[4] = hi.x, bias[5] = hi.y, bias[6] = hi.z, bias[7] = hi.w;
-    }
+    load_floats(&s.bias[d0], bias);
     const float A = s.a_exp;
     if (p.gate_mode == GateMode::kLowerBound) {
 #pragma unroll
       for (int i = 0; i < kSliceTokens; ++i)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) gl[i][e] = p.lower_bound * sigmoidf_(A * (gl[i][e] + bias[e]));
+        for (int e = 0; e < 8; ++e) gl[i][e] = log_decay_as<GateMode::kLowerBound>(p, gl[i][e], bias[e], A);
     } else if (p.gate_mode == GateMode::kSoftplus) {
 #pragma unroll
       for (int i = 0; i < kSliceTokens; ++i)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) gl[i][e] = -A * softplusf_(gl[i][e] + bias[e]);
+        for (int e = 0; e < 8; ++e) gl[i][e] = log_decay_as<GateMode::kSoftplus>(p, gl[i][e], bias[e], A);
     }
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i)
@@ -349,21 +342,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();  // raw gate (qi) consumed; part (ki) is free
   {
-    float4* dst = reinterpret_cast<float4*>(&part[ts * kHeadDim + d0]);
     float tot[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) tot[e] = gl[0][e] + gl[1][e] + gl[2][e] + gl[3][e];
-    dst[0] = make_float4(tot[0], tot[1], tot[2], tot[3]);
-    dst[1] = make_float4(tot[4], tot[5], tot[6], tot[7]);
+    store_floats(&part[ts * kHeadDim + d0], tot);
   }
   __syncthreads();
   // Per channel: sub-chunk totals τ, this slice's offset within its sub-chunk, pivots, factors.
   constexpr int kSlicesPerSub = kSubChunk / kSliceTokens;
-  auto load_part = [&](int sl, float (&v)[8]) {
-    const float4 lo = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0]);
-    const float4 hi = *reinterpret_cast<const float4*>(&part[sl * kHeadDim + d0 + 4]);
-    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-  };
   float tau[kSubChunks][8], off[8], later[8];  // off / later: earlier / later slices of this sub-chunk
 #pragma unroll
   for (int a = 0; a < kSubChunks; ++a) {
@@ -372,7 +358,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int i = 0; i < kSlicesPerSub; ++i) {
       float v[8];
-      load_part(a * kSlicesPerSub + i, v);
+      load_floats(&part[(a * kSlicesPerSub + i) * kHeadDim + d0], v);
 #pragma unroll
       for (int e = 0; e < 8; ++e) tau[a][e] += v[e];
     }
@@ -384,7 +370,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     const int sl = sub * kSlicesPerSub + i;
     if (sl == ts) continue;
     float v[8];
-    load_part(sl, v);
+    load_floats(&part[sl * kHeadDim + d0], v);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       if (sl < ts) off[e] += v[e];
@@ -421,9 +407,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         f[e] = __expf(ha + between + (tb - hb));
       }
     }
-    float4* dst = reinterpret_cast<float4*>(&s.fac[ts][d0]);
-    dst[0] = make_float4(f[0], f[1], f[2], f[3]);
-    dst[1] = make_float4(f[4], f[5], f[6], f[7]);
+    store_floats(&s.fac[ts][d0], f);
   }
   float before[8], after[8], total[8];  // sub-chunks before / after this one, all
 #pragma unroll
@@ -437,9 +421,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
   }
   if (ts == 0) {
-    float4* dst = reinterpret_cast<float4*>(rec + WorkspaceLayout::kDecay + d0 * 4);
-    dst[0] = make_float4(__expf(total[0]), __expf(total[1]), __expf(total[2]), __expf(total[3]));
-    dst[1] = make_float4(__expf(total[4]), __expf(total[5]), __expf(total[6]), __expf(total[7]));
+    float decay[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) decay[e] = __expf(total[e]);
+    store_floats(reinterpret_cast<float*>(rec + WorkspaceLayout::kDecay) + d0, decay);
   }
   {
     int wide = 0;  // bit a: some channel of sub-chunk a is wide
@@ -491,12 +476,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         vqd[e] = vqi[e] * up_row[e];
         vkd[e] = vkj[e] * to_end[e];
       }
-      float4* qrow = reinterpret_cast<float4*>(&s.qi[t * kF32Stride + d0]);
-      float4* krow = reinterpret_cast<float4*>(&s.ki[t * kF32Stride + d0]);
-      qrow[0] = make_float4(vqi[0], vqi[1], vqi[2], vqi[3]);
-      qrow[1] = make_float4(vqi[4], vqi[5], vqi[6], vqi[7]);
-      krow[0] = make_float4(vki[0], vki[1], vki[2], vki[3]);
-      krow[1] = make_float4(vki[4], vki[5], vki[6], vki[7]);
+      store_floats(&s.qi[t * kF32Stride + d0], vqi);
+      store_floats(&s.ki[t * kF32Stride + d0], vki);
       *reinterpret_cast<uint4*>(s.kj + moff) = pack8<OpElem>(vkj);
       *reinterpret_cast<uint4*>(s.kt + moff) = pack8<Elem>(vkt);
       *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + moff) = pack8<Elem>(vqd);

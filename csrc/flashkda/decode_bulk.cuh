@@ -26,17 +26,14 @@
 #include <type_traits>
 
 #include "api.h"
+#include "bulk_sm90.cuh"
 #include "recurrent_common.cuh"
 #include "recurrent_params.h"
 #include "token_math.cuh"
 
-// The kernel's device code exists only in sm_90+ compilation passes; the sm_80 pass compiles an
-// empty body, which the host never launches (run_decode_bulk checks the binary's architecture).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define FLASHKDA_DECODE_BULK_DEVICE 1
-#else
-#define FLASHKDA_DECODE_BULK_DEVICE 0
-#endif
+// The kernel's device code exists only in sm_90+ compilation passes (FLASHKDA_BULK_COPY); the
+// sm_80 pass compiles an empty body, which the host never launches (run_decode_bulk checks the
+// binary's architecture).
 
 namespace flashkda {
 namespace decode_bulk {
@@ -149,100 +146,12 @@ __device__ __forceinline__ ItemCoords item_coords(const RecurrentParams& p, uint
   return c;
 }
 
-#if FLASHKDA_DECODE_BULK_DEVICE
-namespace ptx {
-
-__device__ __forceinline__ uint32_t smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
-}
-
-// Makes the initialised barriers visible to the async proxy (the bulk copies) too.
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
-
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(bar)), "r"(bytes) : "memory");
-}
-
-// Waits until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(smem(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-// State tiles are read once and written once per step: evict-first keeps them from displacing the
-// token vectors in L2 (as the .cs accesses of the sm_80 kernel do).
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem(dst)),
-               "l"(src), "r"(bytes), "r"(smem(bar))
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          smem(dst)),
-      "l"(src), "r"(bytes), "r"(smem(bar)), "l"(policy)
-      : "memory");
-}
-
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes, uint64_t policy) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(dst), "r"(smem(src)),
-               "r"(bytes), "l"(policy)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-
-// Until at most N of this thread's bulk-store groups are still reading shared memory.
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// Orders this thread's generic-proxy shared-memory writes before later bulk copies read them.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-}  // namespace ptx
-
-// N consecutive floats of shared memory, 16 bytes per access.
-template <int N>
-__device__ __forceinline__ void read_floats(const float* src, float (&x)[N]) {
-  static_assert(N % 4 == 0, "16-byte accesses");
-#pragma unroll
-  for (int i = 0; i < N; i += 4) {
-    const float4 v = *reinterpret_cast<const float4*>(src + i);
-    x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
-  }
-}
+#ifdef FLASHKDA_BULK_COPY
 
 // 16 bytes of state in shared memory <-> fp32.
 template <int kVec>
 __device__ __forceinline__ void load16(const float* src, float (&x)[kVec]) {
-  read_floats(src, x);
+  load_floats(src, x);
 }
 template <int kVec>
 __device__ __forceinline__ void load16(const __nv_bfloat16* src, float (&x)[kVec]) {
@@ -318,7 +227,7 @@ __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& pl
                                         uint64_t* empty, int lane) {
   using S = Shape<Elem, StateT, Tune>;
   constexpr int D = S::D;
-  const uint64_t evict_first = ptx::evict_first_policy();
+  const uint64_t evict_first = sm90::evict_first_policy();
   // Bytes of the first token's staged vectors; zero-sized rows are not staged.
   const uint32_t qk_row = D * sizeof(Elem), v_slice = S::kRows * sizeof(Elem);
   const uint32_t g_row = p.scalar_gate ? 0 : D * dtype_bytes(p.g_dtype);
@@ -339,28 +248,28 @@ __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& pl
       if (lane == 0) {
         const ItemCoords c = item_coords<S::kBlocksV>(p, base + j * grid);
         unsigned char* st = smem + S::kStagesAt + stage * S::kStageBytes;
-        ptx::mbar_wait(&empty[stage], phase ^ 1);
+        sm90::mbarrier_wait(&empty[stage], phase ^ 1);
         *reinterpret_cast<StageHeader*>(st + S::kHeader) = h;
         const uint32_t bytes = (h.flags & kLoaded ? S::kTileBytes : 0) + (h.flags & kStaged ? token_bytes : 0);
         if (bytes == 0) {
-          ptx::mbar_arrive(&full[stage]);
+          sm90::mbarrier_arrive(&full[stage]);
         } else {
-          ptx::mbar_arrive_expect_tx(&full[stage], bytes);
+          sm90::mbarrier_arrive_expect_tx(&full[stage], bytes);
           if (h.flags & kLoaded) {
             const StateT* src = static_cast<const StateT*>(p.state_in) + h.read_slot * slot_elems +
                                 int64_t(c.hv) * D * D + int64_t(c.vblock) * S::kRows * D;
-            ptx::bulk_load(st, src, S::kTileBytes, &full[stage], evict_first);
+            sm90::bulk_copy_to_shared(st, src, S::kTileBytes, &full[stage], evict_first);
           }
           if (h.flags & kStaged) {
             const int hk = c.hv / (p.HV / p.H);
             const recurrent::TokenSrc<Elem> tok = recurrent::global_token<Elem, D>(p, h.batch, h.bos, hk, c.hv);
             const Elem* v = static_cast<const Elem*>(p.v) + h.batch * p.v_batch_stride + h.bos * p.v_token_stride +
                             int64_t(c.hv) * p.v_head_stride + c.vblock * S::kRows;
-            ptx::bulk_load(st + S::kQ, tok.q, qk_row, &full[stage]);
-            ptx::bulk_load(st + S::kK, tok.k, qk_row, &full[stage]);
-            ptx::bulk_load(st + S::kV, v, v_slice, &full[stage]);
-            if (g_row != 0) ptx::bulk_load(st + S::kG, tok.g, g_row, &full[stage]);
-            if (bias_row != 0) ptx::bulk_load(st + S::kBias, tok.bias, bias_row, &full[stage]);
+            sm90::bulk_copy_to_shared(st + S::kQ, tok.q, qk_row, &full[stage]);
+            sm90::bulk_copy_to_shared(st + S::kK, tok.k, qk_row, &full[stage]);
+            sm90::bulk_copy_to_shared(st + S::kV, v, v_slice, &full[stage]);
+            if (g_row != 0) sm90::bulk_copy_to_shared(st + S::kG, tok.g, g_row, &full[stage]);
+            if (bias_row != 0) sm90::bulk_copy_to_shared(st + S::kBias, tok.bias, bias_row, &full[stage]);
           }
         }
       }
@@ -379,7 +288,7 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
   recurrent::TokenScratch<D>& sc = reinterpret_cast<recurrent::TokenScratch<D>*>(smem + S::kScratch)[warp];
   const int lane_k = lane % TK;
   const int row0 = warp * S::kRowsPerWarp + lane / TK;  // this thread's rows of a tile: row0 + j * kRowsPerPass
-  const uint64_t evict_first = ptx::evict_first_policy();
+  const uint64_t evict_first = sm90::evict_first_policy();
   const int64_t slot_elems = int64_t(p.HV) * D * D;
 
   int stage = 0, pending = -1;  // pending: stage whose bulk store may still be reading shared memory
@@ -388,7 +297,7 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
     unsigned char* st = smem + S::kStagesAt + stage * S::kStageBytes;
     StateT* tile = reinterpret_cast<StateT*>(st);
     const StageHeader* hdr = reinterpret_cast<const StageHeader*>(st + S::kHeader);
-    ptx::mbar_wait(&full[stage], phase);
+    sm90::mbarrier_wait(&full[stage], phase);
     const StageHeader h = *hdr;
     const ItemCoords c = item_coords<S::kBlocksV>(p, item);
     const int hv = c.hv, hk = hv / (p.HV / p.H), v0 = c.vblock * S::kRows;
@@ -446,45 +355,12 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
         const float beta = beta_value(p, beta_raw);
         const float kq = recurrent::stage_token<Elem, D>(p, src, h.a, sc, lane);
 
-        // S_d = S * decay;  S_d k and S_d q in one sweep;  o = S_d q + u (k . q)  with
-        // u = beta (v - S_d k);  S = S_d + u k^T.
-        float sk[RPT], sq[RPT];
-#pragma unroll
-        for (int j = 0; j < RPT; ++j) sk[j] = sq[j] = 0.f;
-#pragma unroll
-        for (int ci = 0; ci < CH; ++ci) {
-          const int ch = ci * VEC * TK + lane_k * VEC;
-          float d[VEC], kv[VEC], qv[VEC];
-          read_floats(&sc.decay[ch], d);
-          read_floats(&sc.k[ch], kv);
-          read_floats(&sc.q[ch], qv);
-#pragma unroll
-          for (int j = 0; j < RPT; ++j)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) {
-              Sr[j][ci][e] *= d[e];
-              sk[j] += Sr[j][ci][e] * kv[e];
-              sq[j] += Sr[j][ci][e] * qv[e];
-            }
-        }
-        float u[RPT];
+        float u[RPT], sq[RPT];
+        recurrent::vfirst_token_update<TK>(Sr, sc, lane_k, beta, vv, u, sq);
 #pragma unroll
         for (int j = 0; j < RPT; ++j) {
-          sk[j] = recurrent::group_sum<TK>(sk[j]);
-          sq[j] = recurrent::group_sum<TK>(sq[j]);
-          u[j] = beta * (vv[j] - sk[j]);
           o_last[j] = sq[j] + u[j] * kq;
           if (lane_k == 0 && i + 1 < h.len) o_rows[t * p.o_token_stride + j * S::kRowsPerPass] = from_float<Elem>(o_last[j]);
-        }
-#pragma unroll
-        for (int ci = 0; ci < CH; ++ci) {
-          const int ch = ci * VEC * TK + lane_k * VEC;
-          float kv[VEC];
-          read_floats(&sc.k[ch], kv);
-#pragma unroll
-          for (int j = 0; j < RPT; ++j)
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) Sr[j][ci][e] += kv[e] * u[j];
         }
       }
 
@@ -494,12 +370,12 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
 #pragma unroll
           for (int ci = 0; ci < CH; ++ci)
             store16<VEC>(tile + (row0 + j * S::kRowsPerPass) * D + ci * VEC * TK + lane_k * VEC, Sr[j][ci]);
-        ptx::fence_proxy_async();
+        sm90::fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
           StateT* dst = static_cast<StateT*>(p.state_out) + h.write_slot * slot_elems + int64_t(hv) * D * D +
                         int64_t(v0 + warp * S::kRowsPerWarp) * D;
-          ptx::bulk_store(dst, tile + warp * S::kRowsPerWarp * D, S::kWarpTileBytes, evict_first);
+          sm90::bulk_copy_to_global(dst, tile + warp * S::kRowsPerWarp * D, S::kWarpTileBytes, evict_first);
         }
         stored = true;
       }
@@ -515,29 +391,29 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
     __syncwarp();
     if (lane == 0) {
       if (stored) {
-        ptx::bulk_commit();
-        ptx::bulk_wait_read<1>();
-        if (pending >= 0) ptx::mbar_arrive(&empty[pending]);
+        sm90::bulk_commit();
+        sm90::bulk_wait_read<1>();
+        if (pending >= 0) sm90::mbarrier_arrive(&empty[pending]);
         pending = stage;
       } else {
         if (pending >= 0) {
-          ptx::bulk_wait_read<0>();
-          ptx::mbar_arrive(&empty[pending]);
+          sm90::bulk_wait_read<0>();
+          sm90::mbarrier_arrive(&empty[pending]);
           pending = -1;
         }
-        ptx::mbar_arrive(&empty[stage]);
+        sm90::mbarrier_arrive(&empty[stage]);
       }
     }
     if (++stage == S::kStages) stage = 0, phase ^= 1;
   }
-  if (lane == 0) ptx::bulk_wait_all();
+  if (lane == 0) sm90::bulk_wait_all();
 }
-#endif  // FLASHKDA_DECODE_BULK_DEVICE
+#endif  // FLASHKDA_BULK_COPY
 
 template <typename Elem, typename StateT, typename Tune>
 __global__ void __launch_bounds__(Shape<Elem, StateT, Tune>::kThreads, Shape<Elem, StateT, Tune>::kBlocksPerSm)
     decode_step_bulk(const RecurrentParams p, const Plan plan) {
-#if FLASHKDA_DECODE_BULK_DEVICE
+#ifdef FLASHKDA_BULK_COPY
   using S = Shape<Elem, StateT, Tune>;
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // tile and token bytes landed
@@ -545,10 +421,10 @@ __global__ void __launch_bounds__(Shape<Elem, StateT, Tune>::kThreads, Shape<Ele
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; ++s) {
-      ptx::mbar_init(&full[s], 1);
-      ptx::mbar_init(&empty[s], S::kConsumerWarps);
+      sm90::mbarrier_init(&full[s], 1);
+      sm90::mbarrier_init(&empty[s], S::kConsumerWarps);
     }
-    ptx::fence_mbar_init();
+    sm90::fence_mbarrier_init();
   }
   __syncthreads();
   if (warp == S::kConsumerWarps) {

@@ -184,5 +184,50 @@ __device__ __forceinline__ float stage_token(const RecurrentParams& p, const Tok
   return finish_token<D>(p, load_token<Elem, D>(p, src, lane), a, sc, lane);
 }
 
+// One token's update of a thread's share of a V-first state, both decode kernels' core. The thread
+// holds rows j of the state, key channels c * kVec * kLanesK + lane_k * kVec + e in S[j][c][e]
+// (kLanesK lanes span a row); sc holds the token's staged vectors and v its values of those rows.
+//   S_d = S ⊙ decay,  sk = S_d k,  sq = S_d q,  u = beta (v − sk),  S = S_d + u kᵀ
+// in two sweeps; returns u and sq (the output is sq + u (k·q)).
+template <int kLanesK, int kRows, int kChunks, int kVec, int D>
+__device__ __forceinline__ void vfirst_token_update(float (&S)[kRows][kChunks][kVec], const TokenScratch<D>& sc,
+                                                    int lane_k, float beta, const float (&v)[kRows],
+                                                    float (&u)[kRows], float (&sq)[kRows]) {
+  float sk[kRows];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) sk[j] = sq[j] = 0.f;
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int ch = c * kVec * kLanesK + lane_k * kVec;
+    float d[kVec], kv[kVec], qv[kVec];
+    load_floats(&sc.decay[ch], d);
+    load_floats(&sc.k[ch], kv);
+    load_floats(&sc.q[ch], qv);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        S[j][c][e] *= d[e];
+        sk[j] += S[j][c][e] * kv[e];
+        sq[j] += S[j][c][e] * qv[e];
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    sk[j] = group_sum<kLanesK>(sk[j]);
+    sq[j] = group_sum<kLanesK>(sq[j]);
+    u[j] = beta * (v[j] - sk[j]);
+  }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    float kv[kVec];
+    load_floats(&sc.k[c * kVec * kLanesK + lane_k * kVec], kv);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j)
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) S[j][c][e] += kv[e] * u[j];
+  }
+}
+
 }  // namespace recurrent
 }  // namespace flashkda

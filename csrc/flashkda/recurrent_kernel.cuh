@@ -165,42 +165,12 @@ __global__ void __launch_bounds__(VFirstShape<D>::kThreads, VFirstShape<D>::kMin
     const float beta = beta_value(p, load_any(p.beta, p.beta_dtype, seq.batch * p.beta_batch_stride + t * p.beta_token_stride + hv));
     const float kq = stage_token<Elem, D>(p, global_token<Elem, D>(p, seq.batch, t, h, hv), a, sc, lane);
 
-    float sk[RPT], sq[RPT];
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) sk[j] = sq[j] = 0.f;
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const int ch = c * 4 * TK + lane_k * 4;
-      const float4 d4 = *reinterpret_cast<const float4*>(&sc.decay[ch]);
-      const float4 k4 = *reinterpret_cast<const float4*>(&sc.k[ch]);
-      const float4 q4 = *reinterpret_cast<const float4*>(&sc.q[ch]);
-      const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {k4.x, k4.y, k4.z, k4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+    float u[RPT], sq[RPT];
+    vfirst_token_update<TK>(S, sc, lane_k, beta, vv, u, sq);
+    if (lane_k == 0)
 #pragma unroll
       for (int j = 0; j < RPT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          S[j][c][e] *= d[e];
-          sk[j] += S[j][c][e] * kv[e];
-          sq[j] += S[j][c][e] * qv[e];
-        }
-    }
-    float u[RPT];
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-      sk[j] = group_sum<TK>(sk[j]);
-      sq[j] = group_sum<TK>(sq[j]);
-      u[j] = beta * (vv[j] - sk[j]);
-      if (lane_k == 0) o_base[t * p.o_token_stride + row0 + j * Shape::kRowsPerPass] = from_float<Elem>(sq[j] + u[j] * kq);
-    }
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      const float4 k4 = *reinterpret_cast<const float4*>(&sc.k[c * 4 * TK + lane_k * 4]);
-      const float kv[4] = {k4.x, k4.y, k4.z, k4.w};
-#pragma unroll
-      for (int j = 0; j < RPT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S[j][c][e] += kv[e] * u[j];
-    }
+        o_base[t * p.o_token_stride + row0 + j * Shape::kRowsPerPass] = from_float<Elem>(sq[j] + u[j] * kq);
     if (write_slot >= 0) store_state(write_slot, S);
   }
 

@@ -44,6 +44,24 @@ __device__ __forceinline__ float load_any(const void* p, DType dt, int64_t i) {
   }
 }
 
+// N consecutive floats (16-byte aligned, N a multiple of 4), 16 bytes per access.
+template <int N>
+__device__ __forceinline__ void load_floats(const float* src, float (&x)[N]) {
+  static_assert(N % 4 == 0, "16-byte accesses");
+#pragma unroll
+  for (int i = 0; i < N; i += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src + i);
+    x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void store_floats(float* dst, const float (&x)[N]) {
+  static_assert(N % 4 == 0, "16-byte accesses");
+#pragma unroll
+  for (int i = 0; i < N; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
+}
+
 __host__ __device__ constexpr int dtype_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
 
 __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_t i) {
@@ -62,12 +80,20 @@ __device__ __forceinline__ float softplusf_(float x) {
   return x > kSoftplusThreshold ? x : log1pf(__expf(x));
 }
 
-// Natural-log decay of one channel; `a` is exp(A_log[hv]) (1 without A_log).
+// Natural-log decay of one channel with the gate mode known at compile time (loops over many
+// channels branch once); `a` is exp(A_log[hv]) (1 without A_log).
+template <GateMode kMode>
+__device__ __forceinline__ float log_decay_as(const RecurrentParams& p, float raw, float bias, float a) {
+  if constexpr (kMode == GateMode::kLowerBound) return p.lower_bound * sigmoidf_(a * (raw + bias));
+  else if constexpr (kMode == GateMode::kSoftplus) return -a * softplusf_(raw + bias);
+  else return raw;
+}
+
 __device__ __forceinline__ float log_decay(const RecurrentParams& p, float raw, float bias, float a) {
   switch (p.gate_mode) {
-    case GateMode::kLowerBound: return p.lower_bound * sigmoidf_(a * (raw + bias));
-    case GateMode::kSoftplus: return -a * softplusf_(raw + bias);
-    default: return raw;
+    case GateMode::kLowerBound: return log_decay_as<GateMode::kLowerBound>(p, raw, bias, a);
+    case GateMode::kSoftplus: return log_decay_as<GateMode::kSoftplus>(p, raw, bias, a);
+    default: return log_decay_as<GateMode::kPrecomputed>(p, raw, bias, a);
   }
 }
 
