@@ -32,7 +32,7 @@ def accuracy() -> None:
     T = sum(lens)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
     for name, H, HV, gate in (("lower_bound", 4, 4, "lb"), ("lower_bound/sm80", 4, 4, "lb"),
-                              ("lower_bound/sm90wgmma", 4, 4, "lb"), ("softplus", 4, 4, "sp"),
+                              ("softplus", 4, 4, "sp"),
                               ("gva_x2", 4, 8, "lb"), ("gdn", 4, 4, "gdn"), ("fp16", 4, 4, "fp16")):
         dt = torch.float16 if gate == "fp16" else torch.bfloat16
         gdn = gate == "gdn"
@@ -84,14 +84,13 @@ def main() -> None:
             kw = _inputs(lens, H)
             for split in (int(x) for x in args.splits.split(",")):
                 _ext.config.chunk_value_split = split
-                for impl in ("lb", "softplus", "gdn", "sm80", "wgmma") if split == 0 else ("lb",):
+                for impl in ("lb", "softplus", "gdn", "sm80") if split == 0 else ("lb",):
                     if impl == "lb":
                         fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
-                    elif impl in ("sm80", "wgmma"):
-                        family = {"sm80": "sm80", "wgmma": "sm90wgmma"}[impl]
+                    elif impl == "sm80":
 
                         def fn():
-                            with kernel_family(family):
+                            with kernel_family("sm80"):
                                 flashkda.chunk_kda(**kw, **KDA_FLAGS)
                     elif impl == "softplus":
                         fl = dict(KDA_FLAGS, lower_bound=None, safe_gate=False)
@@ -102,7 +101,7 @@ def main() -> None:
                     ms = cuda_median_ms(fn, calls=20)
                     kt = kernel_times(fn)
                     name = {"lb": "flashkda", "softplus": "flashkda_softplus", "gdn": "flashkda_gdn",
-                            "sm80": "flashkda_sm80", "wgmma": "flashkda_sm90wgmma"}[impl]
+                            "sm80": "flashkda_sm80"}[impl]
                     record(case, name if split == 0 else f"{name}_split{split}", ms,
                            _floor(lens, H, gdn=impl == "gdn"), **{f"{k}_ms": round(v, 4) for k, v in kt.items()})
                     ks = " ".join(f"{k}={v:.3f}" for k, v in sorted(kt.items()))

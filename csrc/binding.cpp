@@ -70,9 +70,9 @@ std::atomic<int32_t> g_kernel_family{int32_t(KernelFamily::kAuto)};
 
 void set_kernel_family(int64_t family) {
   TORCH_CHECK(family == int64_t(KernelFamily::kAuto) || family == int64_t(KernelFamily::kSm80) ||
-                  family == int64_t(KernelFamily::kSm90) || family == int64_t(KernelFamily::kSm90Wgmma),
+                  family == int64_t(KernelFamily::kSm90),
               "flashkda: kernel family must be ", int(KernelFamily::kAuto), " (auto), ", int(KernelFamily::kSm80),
-              ", ", int(KernelFamily::kSm90), " or ", int(KernelFamily::kSm90Wgmma), ", got ", family);
+              " or ", int(KernelFamily::kSm90), ", got ", family);
   g_kernel_family.store(int32_t(family), std::memory_order_relaxed);
 }
 
@@ -611,8 +611,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("chunk_fwd", &flashkda::chunk_fwd, "chunked forward (see binding.cpp)");
   m.def("set_kernel_family", &flashkda::set_kernel_family,
         "kernel family for every later call in this process: 0 auto, 80 sm_80 kernels, 90 sm_90 kernels where "
-        "they apply, 91 as 90 with the chunked recurrence's state products on wgmma");
-  m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80, 90 or 91)");
+        "they apply");
+  m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80 or 90)");
   PyObject* fused_recurrent =
       PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();

@@ -10,10 +10,9 @@ the run-time switches read from the environment at import.
   default) runs the sm_90 kernels on an sm_90 device with an sm_90a build: the bulk-copy decode
   kernel for the cases it covers (decode-sized calls of at most 8 tokens per sequence on average,
   V-first state, K = V = 128, one slot per sequence, fp32 or bf16 state of one dtype, 16-byte
-  aligned states) and the chunked recurrence with bulk-copy record loads; the sm_80 kernels serve
-  everything else. ``sm80`` always runs the sm_80 kernels (cp.async, mma.sync), also on an H100 /
-  H200. ``sm90wgmma`` is ``sm90`` with the chunked recurrence's state products on warpgroup MMAs
-  (wgmma; not yet the default). ``set_kernel_family`` changes it at run time.
+  aligned states) and the chunked recurrence with bulk-copy record loads and warpgroup MMAs
+  (wgmma); the sm_80 kernels serve everything else. ``sm80`` always runs the sm_80 kernels
+  (cp.async, mma.sync), also on an H100 / H200. ``set_kernel_family`` changes it at run time.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def _env_flag(name: str) -> bool:
 
 #: Kernel families by name, as the extension numbers them (``KernelFamily`` in
 #: csrc/flashkda/recurrent_params.h).
-KERNEL_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90, "sm90wgmma": 91}
+KERNEL_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}
 
 
 def _kernel_family_name(name: str, source: str) -> str:
@@ -77,7 +76,7 @@ except (ImportError, AttributeError) as e:  # pure-Python install, a build for a
 
 def set_kernel_family(name: str) -> None:
     """Chooses the kernel family for every later call in this process: ``"auto"``, ``"sm80"``,
-    ``"sm90"`` or ``"sm90wgmma"`` (see FLASHKDA_KERNEL_FAMILY above)."""
+    or ``"sm90"`` (see FLASHKDA_KERNEL_FAMILY above)."""
     config.kernel_family = _kernel_family_name(name, "the kernel family")
     if HAS_EXTENSION:
         _C.set_kernel_family(KERNEL_FAMILIES[config.kernel_family])

@@ -15,7 +15,7 @@ from flashkda import _ext
 from helpers import make_inputs
 
 if __name__ == "__main__":
-    for family, split in [(f, s) for f in ("sm80", "sm90", "sm90wgmma") for s in (1, 2)]:
+    for family, split in [(f, s) for f in ("sm80", "sm90") for s in (1, 2)]:
         _ext.set_kernel_family(family)
         _ext.config.chunk_value_split = split
         for gate in ("lower_bound", "precomputed"):

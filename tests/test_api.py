@@ -391,7 +391,7 @@ def test_cuda_constants_match_python():
 def test_kernel_family_switch(monkeypatch):
     """FLASHKDA_KERNEL_FAMILY names map to the extension's KernelFamily values; bad names raise."""
     params = (ROOT / "csrc" / "flashkda" / "recurrent_params.h").read_text()
-    enums = {"auto": "kAuto", "sm80": "kSm80", "sm90": "kSm90", "sm90wgmma": "kSm90Wgmma"}
+    enums = {"auto": "kAuto", "sm80": "kSm80", "sm90": "kSm90"}
     assert set(enums) == set(_ext.KERNEL_FAMILIES)
     for name, value in _ext.KERNEL_FAMILIES.items():
         assert re.search(rf"{enums[name]} = {value},", params)

@@ -3,8 +3,9 @@
 // independently, so several blocks share a sequence when there are few (sequence, head) chains).
 //
 // The state is held transposed, Sᵀ [value rows v, key columns d], in the m16n8 accumulator layout
-// of mma.sync: warp w owns value rows 16w..16w+15, all 128 key columns (64 fp32 registers per
-// thread). That layout doubles as the A operand of the next products, so per chunk
+// of mma.sync (which is also that of wgmma): warp w owns value rows 16w..16w+15, all 128 key columns
+// (64 fp32 registers per thread). That layout doubles as the A operand of the next products (on
+// mma.sync in the sm_80 family, on warpgroup MMAs of 64 value rows in the sm_90 family), so per chunk
 //     Uᵀ = (T v)ᵀ − Sᵀ wᵀ,   Oᵀ = Sᵀ qdᵀ + Uᵀ mqkᵀ,   Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
 // run from registers and shared memory with no data exchanged between warps. The next chunk's
 // record streams into a second shared-memory stage while this one is computed.
@@ -27,10 +28,10 @@
 namespace flashkda {
 namespace chunk {
 
-// How chunk_recurrence loads its records and runs the state products. The sm_80 family is
-// kCpAsyncMma; the sm_90 family kBulkMma (copy-engine loads), or kBulkWgmma (also the state products
-// on warpgroup MMAs), which KernelFamily::kSm90Wgmma selects while it is being validated.
-enum RecurrenceVariant : int { kCpAsyncMma = 0, kBulkMma = 1, kBulkWgmma = 2 };
+// How chunk_recurrence loads its records and runs the products: the sm_80 family with cp.async and
+// mma.sync (ldmatrix operands), the sm_90 family with the copy engine (cp.async.bulk on an mbarrier)
+// and warpgroup MMAs (wgmma: A from registers, B read in place from the stage).
+enum RecurrenceVariant : int { kCpAsyncMma = 0, kBulkWgmma = 1 };
 
 template <int kBlockV_>
 struct RecurrenceShape {
@@ -101,7 +102,7 @@ __device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
   return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;
 }
 
-// kVariant (RecurrenceVariant): the sm_90 variants' sm_80 images are empty and never launched
+// kVariant (RecurrenceVariant): the sm_90 variant's sm_80 image is empty and never launched
 // (launch_recurrence checks the image's architecture).
 template <typename Elem, int kBlockV, int kVariant>
 __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
@@ -114,6 +115,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
   {
     using Shape = RecurrenceShape<kBlockV>;
     using Stage = typename Shape::Stage;
+#ifdef FLASHKDA_WGMMA
+    constexpr bool kWgmma = kVariant == kBulkWgmma;  // sm_90a: the products on warpgroup MMAs
+#endif
     constexpr int kKeyTiles = kHeadDim / 8;  // n-tiles of the state per warp
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
@@ -198,36 +202,30 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       for (int nt = 0; nt < kChunk / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) u[nt][e] = o[nt][e] = 0.f;
-
-      // Uᵀ = vᵀ Tᵀ (T lower triangular: output tiles np >= kc only)
+      // The A fragments of vᵀ (this warp's 16 value rows, 16 tokens per k-step).
+      uint32_t va[kChunk / 16][4];
 #pragma unroll
-      for (int kc = 0; kc < kChunk / 16; ++kc) {
-        uint32_t af[4];
-        sm80::ldmatrix_x4_trans(af, v_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
-                                                                     v_local / 8 + ((lane >> 3) & 1)));
-#pragma unroll
-        for (int np = kc; np < kChunk / 16; ++np) {
-          uint32_t bf[4];
-          sm80::ldmatrix_x4(bf, tinv_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                                     2 * kc + ((lane >> 3) & 1)));
-          sm80::mma_16816<Elem>(u[2 * np], af, bf[0], bf[1]);
-          sm80::mma_16816<Elem>(u[2 * np + 1], af, bf[2], bf[3]);
-        }
-      }
-      // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ
+      for (int kc = 0; kc < kChunk / 16; ++kc)
+        sm80::ldmatrix_x4_trans(va[kc], v_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
+                                                                         v_local / 8 + ((lane >> 3) & 1)));
+      uint32_t ua[kChunk / 16][4];  // Uᵀ as the A operand of the last two products
 #ifdef FLASHKDA_WGMMA
-      if constexpr (kVariant == kBulkWgmma) {
-        // One warpgroup (four warps, 64 value rows) per wgmma: A = Sᵀ from registers, B = w and q e^Γ
-        // read in place from the stage (K-major, 128-byte swizzle); −Sᵀwᵀ by an A scale of −1.
+      if constexpr (kWgmma) {
+        // One warpgroup (four warps, 64 value rows) per instruction; B operands are the stage's
+        // 128-byte swizzled tiles, K-major (16 contraction columns = 32 bytes of a panel row).
+        // Uᵀ = vᵀ Tᵀ − Sᵀ wᵀ and Oᵀ = Sᵀ qdᵀ in one batch (−Sᵀ by an A scale of −1).
         uint32_t a[kHeadDim / 16][4];
 #pragma unroll
         for (int kd = 0; kd < kHeadDim / 16; ++kd) sm80::accumulators_to_a<Elem>(s[2 * kd], s[2 * kd + 1], a[kd]);
-        sm90::fence_operands(u);  // materialise u (the T v products) and o (zeros) before the fence
+        sm90::fence_operands(u);
         sm90::fence_operands(o);
         sm90::wgmma_fence();
 #pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc)
+          sm90::wgmma_m64n64k16_rs<Elem, 1>(u, va[kc], sm90::smem_desc(tinv_s + kc * 32, 16, 1024), true);
+#pragma unroll
         for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-          const uint32_t koff = (kd / 4) * MatTile::kPanelBytes + (kd % 4) * 32;  // 16 key columns
+          const uint32_t koff = (kd / 4) * MatTile::kPanelBytes + (kd % 4) * 32;
           sm90::wgmma_m64n64k16_rs<Elem, -1>(u, a[kd], sm90::smem_desc(w_s + koff, 16, 1024), true);
           sm90::wgmma_m64n64k16_rs<Elem, 1>(o, a[kd], sm90::smem_desc(qd_s + koff, 16, 1024), true);
         }
@@ -235,9 +233,43 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         sm90::wgmma_wait<0>();
         sm90::fence_operands(u);
         sm90::fence_operands(o);
+#pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
+        // Then, in two groups: Oᵀ += Uᵀ mqkᵀ, and Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd (B = kd rows, 128 key
+        // columns in two 64-column panels, N-major). The output goes out while the state update runs.
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+          const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
+          s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
+        }
+        sm90::fence_operands(s);
+        sm90::wgmma_fence();
+#pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc)
+          sm90::wgmma_m64n64k16_rs<Elem, 1>(o, ua[kc], sm90::smem_desc(mqk_s + kc * 32, 16, 1024), true);
+        sm90::wgmma_commit();
+#pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc)
+          sm90::wgmma_m64n128k16_rs_mn<Elem>(s, ua[kc],
+                                             sm90::smem_desc(kd_s + kc * 16 * 128, MatTile::kPanelBytes, 1024));
+        sm90::wgmma_commit();
+        sm90::wgmma_wait<1>();
+        sm90::fence_operands(o);  // the state update is still running
       } else
 #endif
       {
+        // Uᵀ = vᵀ Tᵀ (T lower triangular: output tiles np >= kc only)
+#pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc)
+#pragma unroll
+          for (int np = kc; np < kChunk / 16; ++np) {
+            uint32_t bf[4];
+            sm80::ldmatrix_x4(bf, tinv_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+                                                                2 * kc + ((lane >> 3) & 1)));
+            sm80::mma_16816<Elem>(u[2 * np], va[kc], bf[0], bf[1]);
+            sm80::mma_16816<Elem>(u[2 * np + 1], va[kc], bf[2], bf[3]);
+          }
+        // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ
 #pragma unroll
         for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
           uint32_t a[4];
@@ -245,8 +277,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
           const uint32_t na[4] = {sm80::neg2(a[0]), sm80::neg2(a[1]), sm80::neg2(a[2]), sm80::neg2(a[3])};
 #pragma unroll
           for (int np = 0; np < kChunk / 16; ++np) {
-            const uint32_t off = MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                              2 * kd + ((lane >> 3) & 1));
+            const uint32_t off = MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8, 2 * kd + ((lane >> 3) & 1));
             uint32_t bw[4], bq[4];
             sm80::ldmatrix_x4(bw, w_s + off);
             sm80::ldmatrix_x4(bq, qd_s + off);
@@ -256,21 +287,20 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
             sm80::mma_16816<Elem>(o[2 * np + 1], a, bq[2], bq[3]);
           }
         }
+#pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
+        // Oᵀ += Uᵀ mqkᵀ (mqk lower triangular)
+#pragma unroll
+        for (int kc = 0; kc < kChunk / 16; ++kc)
+#pragma unroll
+          for (int np = kc; np < kChunk / 16; ++np) {
+            uint32_t bf[4];
+            sm80::ldmatrix_x4(bf, mqk_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+                                                               2 * kc + ((lane >> 3) & 1)));
+            sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
+            sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
+          }
       }
-      uint32_t ua[kChunk / 16][4];
-#pragma unroll
-      for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
-      // Oᵀ += Uᵀ mqkᵀ (mqk lower triangular)
-#pragma unroll
-      for (int kc = 0; kc < kChunk / 16; ++kc)
-#pragma unroll
-        for (int np = kc; np < kChunk / 16; ++np) {
-          uint32_t bf[4];
-          sm80::ldmatrix_x4(bf, mqk_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                                    2 * kc + ((lane >> 3) & 1)));
-          sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
-          sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
-        }
       // Output: through this warp's own columns of the v tile, then 16-byte stores.
       __syncwarp();  // every lane's ldmatrix reads of these columns are done
 #pragma unroll
@@ -293,35 +323,26 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
                 *reinterpret_cast<const uint4*>(st.v + Shape::VTile::chunk_offset(c, v_local / 8 + half));
         }
       }
-      // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
-#pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt) {
-        const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
-        s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
-      }
 #ifdef FLASHKDA_WGMMA
-      if constexpr (kVariant == kBulkWgmma) {
-        // Sᵀ (64 value rows x 128 key columns per warpgroup) += Uᵀ kd: B = kd rows (chunk tokens, K)
-        // of 128 key columns (N) in two 64-column panels, N-major.
-        sm90::fence_operands(s);  // the decayed state, before the fence
-        sm90::wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < kChunk / 16; ++kc)
-          sm90::wgmma_m64n128k16_rs_mn<Elem>(s, ua[kc],
-                                             sm90::smem_desc(kd_s + kc * 16 * 128, MatTile::kPanelBytes, 1024));
-        sm90::wgmma_commit();
+      if constexpr (kWgmma) {
         sm90::wgmma_wait<0>();
         sm90::fence_operands(s);
       } else
 #endif
       {
+        // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+          const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
+          s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
+        }
 #pragma unroll
         for (int kc = 0; kc < kChunk / 16; ++kc)
 #pragma unroll
           for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
             uint32_t bf[4];
             sm80::ldmatrix_x4_trans(bf, kd_s + MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                            2 * dp + (lane >> 4)));
+                                                                     2 * dp + (lane >> 4)));
             sm80::mma_16816<Elem>(s[2 * dp], ua[kc], bf[0], bf[1]);
             sm80::mma_16816<Elem>(s[2 * dp + 1], ua[kc], bf[2], bf[3]);
           }
@@ -371,12 +392,9 @@ template <typename Elem, int kBlockV>
 cudaError_t launch_recurrence(const ChunkParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
   // The image checks cost a driver call: once per process and instantiation (one device kind).
-  static const bool bulk_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kBulkMma>);
-  static const bool wgmma_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kBulkWgmma>);
-  if (p.kernel_family == KernelFamily::kSm90Wgmma && wgmma_image)
+  static const bool sm90_image = has_sm90_image(chunk_recurrence_kernel<Elem, kBlockV, kBulkWgmma>);
+  if (p.kernel_family != KernelFamily::kSm80 && sm90_image)
     return launch_recurrence_variant<Elem, kBlockV, kBulkWgmma>(p, stream);
-  if (p.kernel_family != KernelFamily::kSm80 && bulk_image)
-    return launch_recurrence_variant<Elem, kBlockV, kBulkMma>(p, stream);
   return launch_recurrence_variant<Elem, kBlockV, kCpAsyncMma>(p, stream);
 }
 

@@ -16,13 +16,12 @@ enum class GateMode : int32_t {
 };
 
 // Which kernel family runs. The sm_90 family (decode_bulk.cuh; chunk_recurrence with bulk-copy
-// record loads) serves the cases it covers on devices with its code; everything else runs the sm_80
-// family (cp.async, mma.sync), which runs everywhere.
+// record loads and warpgroup MMAs) serves the cases it covers on devices with its code; everything
+// else runs the sm_80 family (cp.async, mma.sync), which runs everywhere.
 enum class KernelFamily : int32_t {
   kAuto = 0,   // sm_90 where it applies, else sm_80
   kSm80 = 80,  // always sm_80
   kSm90 = 90,  // sm_90 where it applies, else sm_80
-  kSm90Wgmma = 91,  // kSm90, with chunk_recurrence's state products on wgmma (opt-in for now)
 };
 
 struct RecurrentParams {
