@@ -4,8 +4,8 @@
 set -uo pipefail
 ns=${*:-64 256 1024}
 flags="-std=c++17 -O3 -Icsrc -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
-configs=("float:4,32,2" "float:8,32,2" "float:4,16,2" "float:4,16,3" "float:4,32,3" "float:8,64,1"
-         "__nv_bfloat16:4,32,3" "__nv_bfloat16:8,32,3" "__nv_bfloat16:4,16,4" "__nv_bfloat16:8,32,2")
+configs=("float:4,32,2" "float:4,64,1" "float:8,64,1" "__nv_bfloat16:4,32,3" "__nv_bfloat16:4,64,2"
+         "__nv_bfloat16:4,64,3" "__nv_bfloat16:8,64,2" "__nv_bfloat16:8,128,1")
 for c in "${configs[@]}"; do
   state=${c%%:*}; IFS=, read -r cw rows bps <<< "${c#*:}"
   nvcc $flags -DSTATE=$state -DCONSUMER_WARPS=$cw -DITEM_ROWS=$rows -DBLOCKS_PER_SM=$bps \

@@ -51,10 +51,12 @@ struct Tuning {
   static constexpr int kItemRows = kItemRows_;
   static constexpr int kBlocksPerSm = kBlocksPerSm_;
 };
-// 32 rows: 16 KB of fp32 or 8 KB of bf16 state per item. A bf16 tile is half the bytes of an fp32
-// one, so tiles arrive twice as often: one more block (consumer warps) per SM keeps pace.
+// 16 KB of state per item: 32 rows of fp32, 64 rows of bf16. Measured on the H200 at N = 256
+// (bench/harness/run_decode.sh): bf16 with 32-row items (8 KB, 3 blocks/SM) took 0.236 ms against
+// 0.188 with 64-row items: a work item has a fixed cost (header, token vectors, stage hand-over),
+// so an item should carry as many bytes as with an fp32 state.
 template <typename StateT>
-using DefaultTuning = Tuning<4, 32, sizeof(StateT) == 4 ? 2 : 3>;
+using DefaultTuning = Tuning<4, sizeof(StateT) == 4 ? 32 : 64, 2>;
 
 // Mean tokens per sequence up to which this kernel takes a call (decode, speculative verification).
 // A long sequence is a chain of token latencies in either kernel, and the sm_80 kernel keeps more
