@@ -56,9 +56,7 @@ struct PrepareSmem {
   alignas(16) uint8_t kj[kChunk * kHeadDim * 2];  // k̂ e^{h−γ} (column side), OpElem, MatTile
   alignas(16) uint8_t kt[kChunk * kHeadDim * 2];  // k̂ e^{Γ}, Elem, MatTile
   float fac[kSubChunks + kPairs][kHeadDim];       // row factors: diagonal (1, or 0 when wide), pairs
-  float qscale[kChunk], kscale[kChunk], beta[kChunk], gate_scalar[kChunk];
-  alignas(16) float bias[kHeadDim];  // dt_bias of the head's channels (zeros without dt_bias)
-  float a_exp;                       // exp(A_log[hv]), 1 without A_log
+  float qscale[kChunk], kscale[kChunk], beta[kChunk];
   int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
 static_assert(sizeof(float) * kChunk * kF32Stride >= kChunk * kHeadDim * 4, "raw fp32 gate fits in qi");
@@ -208,62 +206,65 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   const char* gbytes = static_cast<const char*>(p.g);
   const int g_size = dtype_bytes(p.g_dtype);
 
-  // ---- Phase 0: the raw chunk into shared memory (all loads in flight at once) ---------------
-  {
-    for (int e = tid; e < kChunk * (kHeadDim / 8); e += kPrepareThreads) {
-      const int t = e / (kHeadDim / 8), ch = e % (kHeadDim / 8);
-      const bool valid = t < c.len;
-      const int64_t tok = c.bos + (valid ? t : 0);
-      const uint32_t off = MatTile::chunk_offset(t, ch);
-      sm80::cp_async_16(sm80::smem_u32(s.kj) + off, qb + tok * p.q_token_stride + ch * 8, valid);
-      sm80::cp_async_16(sm80::smem_u32(s.kt) + off, kb + tok * p.k_token_stride + ch * 8, valid);
-    }
-    if (!p.scalar_gate) {
-      const int row_chunks = kHeadDim * g_size / 16;
-      for (int e = tid; e < kChunk * row_chunks; e += kPrepareThreads) {
-        const int t = e / row_chunks, ch = e % row_chunks;
-        const bool valid = t < c.len;
-        const int64_t tok = c.bos + (valid ? t : 0);
-        const char* src = gbytes + (c.batch * p.g_batch_stride + tok * p.g_token_stride + hv * p.g_head_stride) * g_size;
-        sm80::cp_async_16(sm80::smem_u32(s.qi) + e * 16, src + ch * 16, valid);
-      }
-    }
-    if (tid < kHeadDim / 4) {  // dt_bias, four channels per thread (one value for the scalar gate)
-      const float* bias = p.dt_bias == nullptr ? nullptr : p.dt_bias + (p.scalar_gate ? hv : hv * kHeadDim + 4 * tid);
-      if (bias != nullptr && !p.scalar_gate && (reinterpret_cast<uintptr_t>(bias) & 15) == 0) {
-        sm80::cp_async_16(sm80::smem_u32(&s.bias[4 * tid]), bias);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s.bias[4 * tid + e] = bias == nullptr ? 0.f : bias[p.scalar_gate ? 0 : e];
-      }
-    }
-    if (tid == kHeadDim / 4) {
-      s.a_exp = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
-      s.wide_mask = 0;
-    }
-    sm80::cp_async_commit();
-    if (tid < kChunk) {
-      const int t = tid;
-      const int64_t tok = c.bos + t;
-      float b = 0.f, gs = 0.f;
-      if (t < c.len) {
-        b = beta_value(p, load_any(p.beta, p.beta_dtype, c.batch * p.beta_batch_stride + tok * p.beta_token_stride + hv));
-        if (p.scalar_gate)
-          gs = load_any(p.g, p.g_dtype, c.batch * p.g_batch_stride + tok * p.g_token_stride + hv * p.g_head_stride);
-      }
-      s.beta[t] = b;
-      s.gate_scalar[t] = gs;
-    }
-    sm80::cp_async_wait<0>();
-  }
-  __syncthreads();
-
-  // ---- Phase 1: l2 norms, gate, decays and the decayed operands -------------------------------
-  // Thread (cg, ts) owns channels 8cg .. 8cg+7 of tokens 4ts .. 4ts+3 (sub-chunk ts / 4), so that
-  // every shared and global access moves 16 bytes.
+  // Thread (cg, ts) owns channels 8cg .. 8cg+7 of tokens 4ts .. 4ts+3 (sub-chunk ts / 4) through
+  // phase 1, so that every shared and global access moves 16 bytes. Warp w holds slices 2w and
+  // 2w + 1 (lanes l and l + 16 share their channels): half of sub-chunk w / 2.
   constexpr int kSliceTokens = 4, kGroups = kHeadDim / 8;
   const int cg = tid % kGroups, ts = tid / kGroups, d0 = 8 * cg, sub = ts / (kSubChunk / kSliceTokens);
-  float* part = s.ki;  // [kChunk / kSliceTokens][kHeadDim] slice totals of the log decay
+  static_assert(kPrepareThreads == kGroups * kChunk / kSliceTokens && kGroups == 16, "two slices per warp");
+
+  // ---- Phase 0: this thread's part of the raw chunk into shared memory ------------------------
+  // Each thread copies exactly the elements it reads in phase 1 (q in kj, k in kt, MatTile layout;
+  // the KDA gate in qi, row-major in its own dtype) and waits for its own copies: no barrier.
+  {
+#pragma unroll
+    for (int i = 0; i < kSliceTokens; ++i) {
+      const int t = kSliceTokens * ts + i;
+      const bool valid = t < c.len;
+      const int64_t tok = c.bos + (valid ? t : 0);
+      const uint32_t off = MatTile::chunk_offset(t, cg);
+      sm80::cp_async_16(sm80::smem_u32(s.kj) + off, qb + tok * p.q_token_stride + d0, valid);
+      sm80::cp_async_16(sm80::smem_u32(s.kt) + off, kb + tok * p.k_token_stride + d0, valid);
+      if (!p.scalar_gate) {
+        const char* src =
+            gbytes + (c.batch * p.g_batch_stride + tok * p.g_token_stride + hv * p.g_head_stride + d0) * g_size;
+        const uint32_t dst = sm80::smem_u32(s.qi) + (t * kHeadDim + d0) * g_size;
+        for (int h = 0; h < g_size / 2; ++h) sm80::cp_async_16(dst + 16 * h, src + 16 * h, valid);
+      }
+    }
+    sm80::cp_async_commit();
+    if (tid < kChunk) {  // read after the barriers below
+      const int64_t tok = c.bos + tid;
+      s.beta[tid] = tid < c.len ? beta_value(p, load_any(p.beta, p.beta_dtype,
+                                                         c.batch * p.beta_batch_stride + tok * p.beta_token_stride + hv))
+                                : 0.f;
+    }
+    if (tid == 0) s.wide_mask = 0;
+  }
+  // The gate's scalars for this thread's channels (and tokens, with a scalar gate).
+  const float A = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
+  float bias[8];
+  {
+    const float* bp = p.dt_bias == nullptr ? nullptr : p.dt_bias + (p.scalar_gate ? hv : hv * kHeadDim + d0);
+    if (bp != nullptr && !p.scalar_gate && (reinterpret_cast<uintptr_t>(bp) & 15) == 0) {
+      load_floats(bp, bias);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) bias[e] = bp == nullptr ? 0.f : bp[p.scalar_gate ? 0 : e];
+    }
+  }
+  float gate_scalar[kSliceTokens];
+#pragma unroll
+  for (int i = 0; i < kSliceTokens; ++i) {
+    const int t = kSliceTokens * ts + i;
+    gate_scalar[i] = p.scalar_gate && t < c.len
+                         ? load_any(p.g, p.g_dtype,
+                                    c.batch * p.g_batch_stride + (c.bos + t) * p.g_token_stride + hv * p.g_head_stride)
+                         : 0.f;
+  }
+  sm80::cp_async_wait<0>();
+
+  // ---- Phase 1: l2 norms, gate, decays and the decayed operands -------------------------------
   // l2 norms of the slice's tokens: this thread's 8 channels, then the 15 other lanes of its half
   // warp (same ts, the other channel groups).
   float qs[kSliceTokens], ks[kSliceTokens];
@@ -304,7 +305,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       const int t = kSliceTokens * ts + i;
       if (p.scalar_gate) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) gl[i][e] = s.gate_scalar[t];
+        for (int e = 0; e < 8; ++e) gl[i][e] = gate_scalar[i];
       } else if (g_size == 4) {
         load_floats(&s.qi[t * kHeadDim + d0], gl[i]);
       } else {
@@ -320,9 +321,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         }
       }
     }
-    float bias[8];
-    load_floats(&s.bias[d0], bias);
-    const float A = s.a_exp;
     if (p.gate_mode == GateMode::kLowerBound) {
 #pragma unroll
       for (int i = 0; i < kSliceTokens; ++i)
@@ -340,41 +338,43 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
         for (int e = 0; e < 8; ++e) gl[i][e] = 0.f;
   }
-  __syncthreads();  // raw gate (qi) consumed; part (ki) is free
-  {
-    float tot[8];
+  // Slice totals; the other slice of this warp by a shuffle, the two-slice sums of every warp
+  // through shared memory (ki is free until the element loop).
+  float tot[8], other[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) tot[e] = gl[0][e] + gl[1][e] + gl[2][e] + gl[3][e];
-    store_floats(&part[ts * kHeadDim + d0], tot);
+  for (int e = 0; e < 8; ++e) {
+    tot[e] = gl[0][e] + gl[1][e] + gl[2][e] + gl[3][e];
+    other[e] = __shfl_xor_sync(0xffffffffu, tot[e], 16);
+  }
+  const bool second_slice = (ts & 1) != 0;   // this slice is the later one of its warp
+  const bool second_half = (warp & 1) != 0;  // this warp holds the later half of its sub-chunk
+  float* pair = s.ki;  // [kPrepareThreads / 32][kHeadDim]: each warp's two-slice log-decay totals
+  if (!second_slice) {
+    float both[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) both[e] = tot[e] + other[e];
+    store_floats(&pair[warp * kHeadDim + d0], both);
   }
   __syncthreads();
   // Per channel: sub-chunk totals τ, this slice's offset within its sub-chunk, pivots, factors.
-  constexpr int kSlicesPerSub = kSubChunk / kSliceTokens;
   float tau[kSubChunks][8], off[8], later[8];  // off / later: earlier / later slices of this sub-chunk
 #pragma unroll
-  for (int a = 0; a < kSubChunks; ++a) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) tau[a][e] = 0.f;
-#pragma unroll
-    for (int i = 0; i < kSlicesPerSub; ++i) {
-      float v[8];
-      load_floats(&part[(a * kSlicesPerSub + i) * kHeadDim + d0], v);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) tau[a][e] += v[e];
-    }
+  for (int e = 0; e < 8; ++e) {
+    off[e] = second_slice ? other[e] : 0.f;
+    later[e] = second_slice ? 0.f : other[e];
   }
 #pragma unroll
-  for (int e = 0; e < 8; ++e) off[e] = later[e] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kSlicesPerSub; ++i) {  // the slices of this thread's own sub-chunk only
-    const int sl = sub * kSlicesPerSub + i;
-    if (sl == ts) continue;
-    float v[8];
-    load_floats(&part[sl * kHeadDim + d0], v);
+  for (int a = 0; a < kSubChunks; ++a) {
+    float v0[8], v1[8];  // the two halves of sub-chunk a
+    load_floats(&pair[(2 * a) * kHeadDim + d0], v0);
+    load_floats(&pair[(2 * a + 1) * kHeadDim + d0], v1);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (sl < ts) off[e] += v[e];
-      else later[e] += v[e];
+      tau[a][e] = v0[e] + v1[e];
+      if (a == sub) {
+        if (second_half) off[e] += v0[e];
+        else later[e] += v1[e];
+      }
     }
   }
   // Pivots: row side h_row, column side h_col (equal unless the channel's sub-chunk is wide).
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       for (int e = 0; e < 8; ++e) wide |= small(a, e) ? 0 : 1 << a;
     wide = __reduce_or_sync(0xffffffffu, wide);
     if (lane == 0 && wide != 0) atomicOr(&s.wide_mask, wide);
-    __syncthreads();  // also: every read of part is done
+    __syncthreads();  // also: every read of pair and of the raw gate is done
   }
   const int wide_mask = s.wide_mask;
   {
