@@ -9,9 +9,18 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # baselines, no sweep) | check (every GPU test with a time limit per step, the 64-bit test, the
 # sanitizers on the chunked path, decode kernel times by family with FLA, host overhead, and
 # bench/prefill_quick.py on the issue rows: one call of about five minutes after the build; with
-# DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh).
-# FLA's Triton kernels compile on first use (minutes): budget for it.
+# DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
+# | fla (the tests that run FLA's Triton kernels, marked fla_compile, then the prefill rows with the
+# FLA baselines).
+# FLA's Triton kernels compile on first use: minutes on a fresh machine (one test took 205 s). A
+# Triton cache from an earlier run, carried as .cache/triton.tgz (git-ignored: name .cache in the
+# device call's carry), is unpacked first, and every run leaves its cache in $OUT/triton.tgz to be
+# kept as .cache/triton.tgz for the next one.
 what=${1:-all}
+export TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+[[ -f .cache/triton.tgz ]] && tar -xzf .cache/triton.tgz -C "$TRITON_CACHE_DIR"
+trap 'tar -czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null' EXIT
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -41,7 +50,8 @@ if [[ $what == quick ]]; then
 fi
 if [[ $what == check ]]; then
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
-  timeout ${TEST_LIMIT:-300} python3 -m pytest -q tests/ -m "not slow" --tb=line -p no:cacheprovider >"$OUT/tests.log" 2>&1
+  timeout ${TEST_LIMIT:-240} python3 -m pytest -q tests/ -m "not slow and not fla_compile" --tb=line -p no:cacheprovider \
+    >"$OUT/tests.log" 2>&1
   tail -2 "$OUT/tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-250
   timeout 90 python3 -m pytest -q -m slow tests/test_cuda_chunk.py -p no:cacheprovider 2>&1 | tail -1
   for tool in memcheck racecheck; do
@@ -54,8 +64,13 @@ if [[ $what == check ]]; then
   [[ ${DECODE_SWEEP:-0} == 1 ]] && timeout 300 bash bench/harness/run_decode.sh
   [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh
 fi
-if [[ $what == prefill ]]; then
-  FLASHKDA_FLA_BACKEND=0 python3 -m pytest -q bench/test_prefill.py -m "not sweep" -p no:cacheprovider \
+if [[ $what == fla ]]; then
+  export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
+  timeout ${TEST_LIMIT:-400} python3 -m pytest -q tests/test_fla_backend.py -m fla_compile --tb=short -p no:cacheprovider \
+    --durations=3 2>&1 | tail -6
+fi
+if [[ $what == prefill || $what == fla ]]; then
+  FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-300} python3 -m pytest -q bench/test_prefill.py -m "not sweep" -p no:cacheprovider \
     --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -3
   python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" || rc=1
 fi

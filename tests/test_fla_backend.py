@@ -317,6 +317,7 @@ def test_gpu_fused_recurrent_inplace_without_indices(kernel_calls):
 
 
 @cuda
+@pytest.mark.fla_compile
 def test_gpu_chunk_kda_reaches_flashkda(kernel_calls, monkeypatch):
     kw = _inputs(lens=[37, 1, 70], H=2, HV=4, D=128, device="cuda")
     kw["cu_seqlens"] = kw["cu_seqlens"].long()  # FLA documents int64 offsets for chunk_kda
@@ -339,6 +340,7 @@ def test_gpu_chunk_kda_reaches_flashkda(kernel_calls, monkeypatch):
 
 
 @cuda
+@pytest.mark.fla_compile
 def test_gpu_unsupported_falls_back_to_fla(kernel_calls):
     n = len(kernel_calls)
     # K = V = 32: no flashkda kernel
