@@ -1,4 +1,4 @@
-"""Summarise an Nsight Compute source-page CSV (`ncu --import R --page source --csv --print-source cuda`):
+"""Summarise an Nsight Compute source-page CSV (`ncu --import R --page source --csv --print-source cuda|sass`):
 the source lines with the most warp-stall samples and the most executed instructions.
 
     python bench/ncu_hotspots.py hot_cuda.csv [--top 25]
@@ -31,10 +31,12 @@ def main() -> None:
     head, body = rows[head_at], [r for r in rows[head_at + 1:] if len(r) == len(rows[head_at])]
     col = {name: i for i, name in enumerate(head)}
     src = next(i for n, i in col.items() if "Source" in n)
-    line = next((i for n, i in col.items() if n.strip() in ("#", "Line", "Line Number")), None)
+    line = next((i for n, i in col.items() if n.strip() in ("#", "Line", "Line No", "Line Number", "Address")), None)
     samples = next((i for n, i in col.items() if "Sampling (All" in n), None)
     executed = next((i for n, i in col.items() if n.startswith("Instructions Executed")), None)
     print("columns:", " | ".join(head))
+    if samples is None and executed is None:
+        raise SystemExit("no metric columns in this export")
     for title, idx in (("warp stall samples", samples), ("instructions executed", executed)):
         if idx is None:
             continue

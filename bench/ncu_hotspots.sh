@@ -1,12 +1,29 @@
 #!/usr/bin/env bash
-# Source-line hot spots of one kernel launch (the extension is built with -lineinfo):
+# Where one kernel launch spends its time (the extension is built with -lineinfo):
 #   bash bench/ncu_hotspots.sh [kernel regex, default chunk_prepare] [workload, default bench/ncu_chunk.py]
-# Writes the report and the per-line CSV to $OUT and prints the lines with the most stall samples.
+# Writes the report and the per-line / per-instruction CSVs to $OUT, then prints the stall reasons
+# (warp cycles per issued instruction, by reason) and the source lines with the most stall samples.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 kernel=${1:-chunk_prepare}; workload=${2:-bench/ncu_chunk.py}
 ncu --clock-control none --set full --import-source yes -k "regex:$kernel" -c 1 -f -o "$OUT/hot" \
   python3 "$workload" >"$OUT/hot_run.log" 2>&1 || { tail -5 "$OUT/hot_run.log"; exit 1; }
-ncu --import "$OUT/hot.ncu-rep" --page source --csv --print-source cuda >"$OUT/hot_cuda.csv" 2>"$OUT/hot_err.log" \
-  || head -5 "$OUT/hot_err.log"
-python3 bench/ncu_hotspots.py "$OUT/hot_cuda.csv"
+ncu --import "$OUT/hot.ncu-rep" --page raw --csv >"$OUT/hot_raw.csv" 2>/dev/null
+python3 - "$OUT/hot_raw.csv" <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+if len(rows) >= 3:
+    head, vals = rows[0], rows[2]
+    stalls = [(h, v) for h, v in zip(head, vals) if "issue_stalled" in h and h.endswith("per_issue_active.ratio")]
+    def num(v):
+        try: return float(v.replace(",", ""))
+        except ValueError: return 0.0
+    print("stall reasons (warp cycles per issued instruction):")
+    for h, v in sorted(stalls, key=lambda x: -num(x[1]))[:12]:
+        print(f"  {num(v):7.2f}  {h.split('issue_stalled_')[1].split('_per_issue')[0]}")
+PY
+for view in cuda sass; do
+  ncu --import "$OUT/hot.ncu-rep" --page source --csv --print-source "$view" >"$OUT/hot_$view.csv" 2>"$OUT/hot_err.log" \
+    || head -5 "$OUT/hot_err.log"
+done
+python3 bench/ncu_hotspots.py "$OUT/hot_cuda.csv" || python3 bench/ncu_hotspots.py "$OUT/hot_sass.csv"
