@@ -8,7 +8,10 @@ the inverse (I + A)^-1 (fp32, or rounded to bf16 before it multiplies), and the 
 U = (I + A)^-1 β (V − K S) as an operand of the output and state products (bf16, or fp32 — e.g. a
 bf16 hi/lo split or tf32). The state itself is always carried in fp32 between chunks.
 
-    python bench/chunk_precision.py
+    python bench/chunk_precision.py [--segments]
+
+--segments: the sequence split into segments whose recurrences run in parallel and are joined by a
+scan of their affine transitions (the few-chains case), against the plain chunked order.
 """
 
 from __future__ import annotations
@@ -75,6 +78,29 @@ def chunked(q, k, v, g, beta, S, C: int, state_op_bf16: bool, inverse_bf16: bool
     return o, S
 
 
+def segmented(q, k, v, g, beta, S, C: int, seg_chunks: int, bounded: bool):
+    """The same sequence split into segments of seg_chunks chunks whose recurrences run in parallel
+    (the few-chains case): per segment the local final state Q (from S = 0) and the transition P
+    (the same recurrence with v = 0 from S = I, so that S_end = P S_start + Q), then the segment start
+    states by the scan S_{s+1} = P_s S_s + Q_s in fp32, then each segment again from its start state
+    for the output. All products as in chunked() (bf16 operands, fp32 accumulation)."""
+    T, H, K = q.shape
+    L = C * seg_chunks
+    bounds = [(s, min(s + L, T)) for s in range(0, T, L)]
+    eye = torch.eye(K).expand(H, K, K).contiguous()
+    locals_ = []
+    for s, e in bounds:
+        args = (q[s:e], k[s:e])
+        _, Q = chunked(*args, v[s:e], g[s:e], beta[s:e], torch.zeros_like(S), C, True, True, bounded)
+        _, P = chunked(*args, torch.zeros(e - s, H, K), g[s:e], beta[s:e], eye, C, True, True, bounded)
+        locals_.append((P, Q))
+    o = torch.empty_like(v)
+    for (s, e), (P, Q) in zip(bounds, locals_):
+        o[s:e], _ = chunked(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S, C, True, True, bounded)
+        S = P @ S + Q
+    return o, S
+
+
 def case(seed: int, gate: str):
     gen = torch.Generator().manual_seed(seed)
     lens, H, D = [700, 1348], 4, 128
@@ -119,5 +145,36 @@ def main():
                   f"{eo:>10.2e}{es:>11.2e}")
 
 
+def main_segments():
+    print(f"\nsegments (chunk 64, bf16 operands): {'gate':<12}{'chunks/segment':>15}{'out err':>10}{'state err':>11}")
+    for gate in ("lower_bound", "softplus"):
+        kw, cu = case(0, gate)
+        d = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+        ref_o, ref_s = kda_reference(**d, cu_seqlens=cu, output_final_state=True, core="recurrent")
+        qp, kp, gp, bp = preprocess(kw["q"], kw["k"], kw["g"], kw["beta"], scale=128 ** -0.5,
+                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
+                                    dt_bias=kw["dt_bias"], lower_bound=kw["lower_bound"],
+                                    use_beta_sigmoid_in_kernel=True)
+        for seg in (0, 8, 4, 1):
+            outs, states = [], []
+            for n in range(2):
+                sl = slice(int(cu[n]), int(cu[n + 1]))
+                a = (qp[0, sl], kp[0, sl], kw["v"][0, sl].float(), gp[0, sl], bp[0, sl], kw["initial_state"][n].clone())
+                bounded = gate == "lower_bound"
+                o, s = chunked(*a, 64, True, True, bounded) if seg == 0 else segmented(*a, 64, seg, bounded)
+                outs.append(o.bfloat16())
+                states.append(s)
+            o = torch.cat(outs)[None].double()
+            s = torch.stack(states).double()
+            eo = float((o - ref_o).norm() / ref_o.norm())
+            es = float((s - ref_s).norm() / ref_s.norm())
+            print(f"{'':36s}{gate:<12}{seg if seg else 'none':>15}{eo:>10.2e}{es:>11.2e}")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if "--segments" in sys.argv:
+        main_segments()
+    else:
+        main()
