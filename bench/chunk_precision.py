@@ -115,60 +115,53 @@ def case(seed: int, gate: str):
     return kw, cu
 
 
+def prepared(gate: str):
+    """The issue case for one gate: its fp64 reference, the preprocessed inputs, and a function that
+    runs a chunked variant on each sequence and returns the output and final-state errors."""
+    kw, cu = case(0, gate)
+    d = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    ref_o, ref_s = kda_reference(**d, cu_seqlens=cu, output_final_state=True, core="recurrent")
+    qp, kp, gp, bp = preprocess(kw["q"], kw["k"], kw["g"], kw["beta"], scale=128 ** -0.5,
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
+                                dt_bias=kw["dt_bias"], lower_bound=kw["lower_bound"], use_beta_sigmoid_in_kernel=True)
+
+    def errors(run):  # run(q, k, v, g, beta, S) -> (o, S) for one sequence
+        outs, states = [], []
+        for n in range(2):
+            sl = slice(int(cu[n]), int(cu[n + 1]))
+            o, s = run(qp[0, sl], kp[0, sl], kw["v"][0, sl].float(), gp[0, sl], bp[0, sl],
+                       kw["initial_state"][n].clone())
+            outs.append(o.bfloat16())
+            states.append(s)
+        o, s = torch.cat(outs)[None].double(), torch.stack(states).double()
+        return float((o - ref_o).norm() / ref_o.norm()), float((s - ref_s).norm() / ref_s.norm())
+
+    return errors
+
+
 def main():
     print(f"{'gate':<12}{'chunk':>6}{'state op':>10}{'inverse':>9}{'U op':>6}{'out err':>10}{'state err':>11}")
     for gate in ("lower_bound", "softplus"):
-        kw, cu = case(0, gate)
-        d = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
-        ref_o, ref_s = kda_reference(**d, cu_seqlens=cu, output_final_state=True, core="recurrent")
-        qp, kp, gp, bp = preprocess(kw["q"], kw["k"], kw["g"], kw["beta"], scale=128 ** -0.5,
-                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
-                                    dt_bias=kw["dt_bias"], lower_bound=kw["lower_bound"],
-                                    use_beta_sigmoid_in_kernel=True)
+        errors = prepared(gate)
+        bounded = gate == "lower_bound"
         variants = [(C, True, True, True) for C in (16, 32, 64)] + [(C, True, True, False) for C in (16, 64)] + [
             (64, False, False, False)]
         for C, state_bf16, inv_bf16, u_bf16 in variants:
-            outs, states = [], []
-            for n in range(2):
-                sl = slice(int(cu[n]), int(cu[n + 1]))
-                o, s = chunked(qp[0, sl], kp[0, sl], kw["v"][0, sl].float(), gp[0, sl], bp[0, sl],
-                               kw["initial_state"][n].clone(), C, state_bf16, inv_bf16,
-                               bounded=gate == "lower_bound", u_bf16=u_bf16)
-                outs.append(o.bfloat16())
-                states.append(s)
-            o = torch.cat(outs)[None].double()
-            s = torch.stack(states).double()
-            eo = float((o - ref_o).norm() / ref_o.norm())
-            es = float((s - ref_s).norm() / ref_s.norm())
+            eo, es = errors(lambda *a: chunked(*a, C, state_bf16, inv_bf16, bounded=bounded, u_bf16=u_bf16))
             print(f"{gate:<12}{C:>6}{'bf16' if state_bf16 else 'fp32':>10}{'bf16' if inv_bf16 else 'fp32':>9}"
                   f"{'bf16' if u_bf16 else 'fp32':>6}"
                   f"{eo:>10.2e}{es:>11.2e}")
 
 
 def main_segments():
-    print(f"\nsegments (chunk 64, bf16 operands): {'gate':<12}{'chunks/segment':>15}{'out err':>10}{'state err':>11}")
+    print(f"{'gate':<12}{'chunks/segment':>15}{'out err':>10}{'state err':>11}   (chunk 64, bf16 operands)")
     for gate in ("lower_bound", "softplus"):
-        kw, cu = case(0, gate)
-        d = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
-        ref_o, ref_s = kda_reference(**d, cu_seqlens=cu, output_final_state=True, core="recurrent")
-        qp, kp, gp, bp = preprocess(kw["q"], kw["k"], kw["g"], kw["beta"], scale=128 ** -0.5,
-                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=kw["A_log"],
-                                    dt_bias=kw["dt_bias"], lower_bound=kw["lower_bound"],
-                                    use_beta_sigmoid_in_kernel=True)
+        errors = prepared(gate)
+        bounded = gate == "lower_bound"
         for seg in (0, 8, 4, 1):
-            outs, states = [], []
-            for n in range(2):
-                sl = slice(int(cu[n]), int(cu[n + 1]))
-                a = (qp[0, sl], kp[0, sl], kw["v"][0, sl].float(), gp[0, sl], bp[0, sl], kw["initial_state"][n].clone())
-                bounded = gate == "lower_bound"
-                o, s = chunked(*a, 64, True, True, bounded) if seg == 0 else segmented(*a, 64, seg, bounded)
-                outs.append(o.bfloat16())
-                states.append(s)
-            o = torch.cat(outs)[None].double()
-            s = torch.stack(states).double()
-            eo = float((o - ref_o).norm() / ref_o.norm())
-            es = float((s - ref_s).norm() / ref_s.norm())
-            print(f"{'':36s}{gate:<12}{seg if seg else 'none':>15}{eo:>10.2e}{es:>11.2e}")
+            eo, es = errors(lambda *a: chunked(*a, 64, True, True, bounded) if seg == 0
+                            else segmented(*a, 64, seg, bounded))
+            print(f"{gate:<12}{seg if seg else 'none':>15}{eo:>10.2e}{es:>11.2e}")
 
 
 if __name__ == "__main__":
