@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 
@@ -516,12 +517,14 @@ PyMethodDef fused_recurrent_def = {
 // value head, plus the varlen chunk index) comes from PyTorch's caching allocator, so under
 // CUDA-graph capture it lives in the graph's private pool. value_split: blocks per (sequence,
 // head) in chunk_recurrence, 1 or 2; 0 picks by the number of (sequence, head) chains.
+// segment_chunks: 0 runs each sequence's recurrence in one chain; n > 0 cuts it into segments of n
+// chunks that run in parallel and are joined by a scan (RecurrencePass, chunk_params.h).
 void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
                const std::optional<at::Tensor>& final_state, const at::Tensor& o, double scale, int64_t gate_mode,
                double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first,
-               int64_t value_split) {
+               int64_t value_split, int64_t segment_chunks) {
   check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
   ChunkParams p{};
   set_token_params(p, q, k, v, g, beta, opt(A_log), opt(dt_bias), opt(cu_seqlens), o, scale,
@@ -552,12 +555,26 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   }
   TORCH_CHECK(slots < (int64_t(1) << 31), "flashkda: too many chunks");
   p.num_chunk_slots = int32_t(slots);
+  TORCH_CHECK(segment_chunks >= 0, "flashkda: segment_chunks must be >= 0, got ", segment_chunks);
+  p.recurrence_pass = chunk::RecurrencePass::kWhole;
+  if (segment_chunks > 0) {
+    // Segments of the longest sequence possible: with cu_seqlens one sequence may hold every token.
+    const int64_t max_chunks = p.cu_seqlens != nullptr ? (int64_t(p.T) + chunk - 1) / chunk : p.chunks_per_seq;
+    const int64_t segments = std::max<int64_t>(1, (max_chunks + segment_chunks - 1) / segment_chunks);
+    TORCH_CHECK(segments * p.N < 65536, "flashkda: too many segments (", segments, " per sequence, ", p.N,
+                " sequences): choose more chunks per segment");
+    p.segment_chunks = int32_t(segment_chunks);
+    p.segments_per_seq = int32_t(segments);
+  }
   const int64_t record_bytes = slots * p.HV * chunk::WorkspaceLayout::kRecordBytes;
+  const int64_t segment_bytes = int64_t(p.N) * p.segments_per_seq * chunk::SegmentLayout::kKinds * p.HV *
+                                chunk::SegmentLayout::kMatrixFloats * 4;
   const int64_t index_bytes = p.cu_seqlens != nullptr ? (int64_t(p.N) + 1) * 4 : 0;
-  const at::Tensor workspace = at::empty({record_bytes + index_bytes}, q.options().dtype(at::kByte));
-  p.workspace = workspace.data_ptr();
-  if (p.cu_seqlens != nullptr)
-    p.chunk_offsets = reinterpret_cast<int32_t*>(static_cast<uint8_t*>(workspace.data_ptr()) + record_bytes);
+  const at::Tensor workspace = at::empty({record_bytes + segment_bytes + index_bytes}, q.options().dtype(at::kByte));
+  uint8_t* const ws = static_cast<uint8_t*>(workspace.data_ptr());
+  p.workspace = ws;
+  if (segment_bytes > 0) p.seg_states = reinterpret_cast<float*>(ws + record_bytes);  // 16-byte aligned
+  if (p.cu_seqlens != nullptr) p.chunk_offsets = reinterpret_cast<int32_t*>(ws + record_bytes + segment_bytes);
 
   const c10::cuda::CUDAGuard guard(q.device());
   p.num_sms = num_sms(q.get_device());
@@ -574,9 +591,19 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     using Elem = decltype(elem);
     if (p.cu_seqlens != nullptr && err == cudaSuccess) err = run_chunk_index(p, stream);
     if (err == cudaSuccess) err = run_chunk_prepare<Elem>(p, stream);
-    if (err == cudaSuccess)
-      err = value_split == 1 ? run_chunk_recurrence<Elem, chunk::kHeadDim>(p, stream)
-                             : run_chunk_recurrence<Elem, chunk::kHeadDim / 2>(p, stream);
+    auto recurrence = [&](chunk::RecurrencePass pass) {
+      p.recurrence_pass = pass;
+      if (err == cudaSuccess)
+        err = value_split == 1 ? run_chunk_recurrence<Elem, chunk::kHeadDim>(p, stream)
+                               : run_chunk_recurrence<Elem, chunk::kHeadDim / 2>(p, stream);
+    };
+    if (p.segment_chunks == 0) {
+      recurrence(chunk::RecurrencePass::kWhole);
+    } else {
+      recurrence(chunk::RecurrencePass::kSegmentLocal);
+      if (err == cudaSuccess) err = run_chunk_segment_scan(p, stream);
+      recurrence(chunk::RecurrencePass::kSegmentOutput);
+    }
   };
   if (q.scalar_type() == at::kBFloat16) run(__nv_bfloat16{}); else run(__half{});
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked kernel launch failed: ", cudaGetErrorString(err));
@@ -595,7 +622,7 @@ TORCH_LIBRARY(flashkda, m) {
       "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? cu_seqlens, Tensor? initial_state, Tensor(a!)? final_state, Tensor(b!) o, float scale, "
       "int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, "
-      "bool state_v_first, int value_split) -> ()");
+      "bool state_v_first, int value_split, int segment_chunks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {

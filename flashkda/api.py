@@ -328,7 +328,7 @@ def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     run = _ext.chunk_fwd_op if torch.compiler.is_compiling() else _ext.chunk_fwd_eager
     run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, o, p.scale, p.gate_mode,
         float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid, allow_neg_eigval,
-        state_v_first, _ext.config.chunk_value_split)
+        state_v_first, _ext.config.chunk_value_split, _ext.config.chunk_segment)
     return o, ht
 
 

@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python tests/sanitize_chunk.py
 
 Lengths 1, 15, 16, 17, 0, 97 with GVA, a bf16 initial state, masks (exact diagonal path) and
-every value split and kernel family, so every code path of both kernels runs once.
+every value split and kernel family, whole chains and segments of one chunk (the local pass, the
+segment scan, the output pass), so every code path of the chunked kernels runs once.
 """
 
 import torch
@@ -15,9 +16,10 @@ from flashkda import _ext
 from helpers import make_inputs
 
 if __name__ == "__main__":
-    for family, split in [(f, s) for f in ("sm80", "sm90") for s in (1, 2)]:
+    for family, split, segment in [(f, s, g) for f in ("sm80", "sm90") for s in (1, 2) for g in (0, 1)]:
         _ext.set_kernel_family(family)
         _ext.config.chunk_value_split = split
+        _ext.config.chunk_segment = segment
         for gate in ("lower_bound", "precomputed"):
             kw = make_inputs(lens=[1, 15, 16, 17, 0, 97], H=1, HV=2, D=128, gate=gate, dtype=torch.bfloat16,
                              device="cuda", state_dtype=torch.bfloat16, mask_prob=0.2)

@@ -433,3 +433,14 @@ def test_chunk_kernel_reasons_and_alignment():
     assert _aligned16(strided) is not strided
     fused = torch.randn(1, 4, 3, 2, 128).bfloat16()[:, :, 1]  # q of a fused qkv: 16-byte rows, kept
     assert _aligned16(fused) is fused
+
+
+def test_chunk_segment_switch(monkeypatch):
+    """FLASHKDA_CHUNK_SEGMENT: chunks per segment of the chunked recurrence, 0 (default) for none."""
+    for raw, value in (("", 0), ("0", 0), (" 8 ", 8)):
+        monkeypatch.setenv("FLASHKDA_CHUNK_SEGMENT", raw)
+        assert _ext.Config.from_env().chunk_segment == value
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("FLASHKDA_CHUNK_SEGMENT", bad)
+        with pytest.raises(ValueError, match="FLASHKDA_CHUNK_SEGMENT"):
+            _ext.Config.from_env()

@@ -115,6 +115,34 @@ def test_value_split_is_bitwise_equal(monkeypatch, split):
     assert torch.equal(o1, o2) and torch.equal(s1, s2)
 
 
+@pytest.mark.parametrize("segment", [1, 2, 3])
+@pytest.mark.parametrize("case", ["varlen", "batched_kfirst_bf16_state", "gdn", "no_state"])
+def test_segments_match_whole(monkeypatch, segment, case):
+    """Segments of `segment` chunks run in parallel and joined by the scan of their affine state
+    maps: the same operands, fp32 sums in another order, so equal to the whole-chain recurrence to
+    fp32 rounding (and the bf16 roundings it flips), and within the oracle's bounds. Zero-length,
+    one-token and partial-chunk sequences, sequences shorter than a segment and several segments."""
+    gdn = case == "gdn"
+    if case == "batched_kfirst_bf16_state":
+        kw = make_inputs(B=2, T=700, H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=False,
+                         state_dtype=torch.bfloat16)
+    else:
+        kw = make_inputs(lens=[0, 1, 17, 700, 64, 1348, 65], H=2, HV=2 if gdn else 4, D=128, gdn=gdn,
+                         dtype=torch.bfloat16, device="cuda", state_v_first=True)
+    if case == "no_state":
+        kw.pop("initial_state")
+    fn = public_fn("chunk", gdn)
+    monkeypatch.setattr(_ext.config, "chunk_segment", 0)
+    o1, s1 = fn(**kw, output_final_state=True)
+    monkeypatch.setattr(_ext.config, "chunk_segment", segment)
+    _poison_allocator()
+    o2, s2 = fn(**kw, output_final_state=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o2).all() and torch.isfinite(s2).all()
+    assert rel_err(o2, o1) < 2e-3 and rel_err(s2, s1) < 2e-3
+    _check(kw, gdn=gdn)
+
+
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
 def test_families_agree(gate):
     """The sm_90 family runs the recurrence's products on wgmma, the sm_80 family on mma.sync: the

@@ -25,12 +25,15 @@ template <typename Elem, typename StateT>
 cudaError_t run_decode_bulk(const RecurrentParams& params, cudaStream_t stream, bool& launched);
 
 // Chunked forward (prefill), K == V == chunk::kHeadDim. Launch order on one stream:
-// run_chunk_index (varlen only), run_chunk_prepare, run_chunk_recurrence. Elem: __nv_bfloat16 or
-// __half. kBlockV: value columns per block of chunk_recurrence (64 or 128).
+// run_chunk_index (varlen only), run_chunk_prepare, then run_chunk_recurrence with
+// recurrence_pass kWhole, or with segments: run_chunk_recurrence (kSegmentLocal),
+// run_chunk_segment_scan, run_chunk_recurrence (kSegmentOutput). Elem: __nv_bfloat16 or __half.
+// kBlockV: value columns per block of chunk_recurrence (64 or 128).
 cudaError_t run_chunk_index(const ChunkParams& params, cudaStream_t stream);
 template <typename Elem>
 cudaError_t run_chunk_prepare(const ChunkParams& params, cudaStream_t stream);
 template <typename Elem, int kBlockV>
 cudaError_t run_chunk_recurrence(const ChunkParams& params, cudaStream_t stream);
+cudaError_t run_chunk_segment_scan(const ChunkParams& params, cudaStream_t stream);
 
 }  // namespace flashkda

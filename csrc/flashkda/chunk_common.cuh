@@ -25,6 +25,24 @@ struct SeqSpan {
 
 __device__ __forceinline__ int64_t num_chunks(int64_t len) { return (len + kChunk - 1) / kChunk; }
 
+// Offset (floats) of one segment matrix in ChunkParams::seg_states (SegmentLayout).
+__device__ __forceinline__ int64_t segment_matrix(const ChunkParams& p, int n, int seg, int kind, int hv) {
+  return (((int64_t(n) * p.segments_per_seq + seg) * SegmentLayout::kKinds + kind) * p.HV + hv) *
+         SegmentLayout::kMatrixFloats;
+}
+
+// Element (v, d) of Sᵀ (value row v, key column d) in a [kHeadDim][kHeadDim] state of either layout.
+__device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
+  return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;
+}
+
+// Chunks of a sequence that have workspace records (bad cu_seqlens on the device could name more
+// chunks than the workspace has: stop there).
+__device__ __forceinline__ int64_t recorded_chunks(const ChunkParams& p, const SeqSpan& s) {
+  const int64_t chunks = num_chunks(s.len), last = p.num_chunk_slots - s.first_slot;
+  return chunks < last ? chunks : (last > 0 ? last : 0);
+}
+
 __device__ __forceinline__ SeqSpan sequence_span(const ChunkParams& p, int n) {
   SeqSpan s;
   if (p.cu_seqlens != nullptr) {

@@ -43,6 +43,24 @@ struct WorkspaceLayout {
   static constexpr int64_t kRecordBytes = kDecay + kHeadDim * 4;
 };
 
+// Which part of the recurrence a chunk_recurrence launch runs. With segments (few long (sequence,
+// head) chains), a sequence's chunks are cut into segments of ChunkParams::segment_chunks chunks
+// that run in parallel; per chunk the state map is affine, S ← S P + Q (Sᵀ rows: value rows × key
+// columns), so a segment's map comes from two runs of the same recurrence, and a scan joins them.
+enum class RecurrencePass : int32_t {
+  kWhole = 0,          // every chunk of a sequence: state_in -> state_out, and o
+  kSegmentLocal = 1,   // per segment: from S = 0 (its local final state Q) and, in the grid's second
+                       // half of value blocks, from S = I with v = 0 (its transition P); no o
+  kSegmentOutput = 2,  // per segment: from its start state (chunk_segment_scan), writing o only
+};
+
+// The segments' states in the workspace: per (sequence n, segment, kind, value head) one fp32
+// [kHeadDim][kHeadDim] matrix, rows = value rows (or rows of P), columns = key columns.
+struct SegmentLayout {
+  enum Kind : int { kLocal = 0, kTransition = 1, kStart = 2, kKinds = 3 };
+  static constexpr int64_t kMatrixFloats = int64_t(kHeadDim) * kHeadDim;
+};
+
 }  // namespace chunk
 
 struct ChunkParams : RecurrentParams {
@@ -53,6 +71,12 @@ struct ChunkParams : RecurrentParams {
   int32_t num_chunk_slots;    // upper bound on the total chunk count: grid size of chunk_prepare
   int32_t chunks_per_seq;     // ceil(T / kChunk) without cu_seqlens
   int32_t value_split;        // blocks per (sequence, head) in chunk_recurrence: kHeadDim / block V
+  // Segments (see RecurrencePass); segment_chunks == 0: none, every launch is kWhole.
+  int32_t segment_chunks;     // chunks per segment
+  int32_t segments_per_seq;   // segments of the longest possible sequence (grid z = N * this)
+  chunk::RecurrencePass recurrence_pass;
+  float* seg_states;          // [N, segments_per_seq, SegmentLayout::kKinds, HV, kHeadDim, kHeadDim]
 };
+
 
 }  // namespace flashkda

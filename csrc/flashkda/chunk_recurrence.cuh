@@ -97,11 +97,6 @@ __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape:
   }
 }
 
-// Sᵀ[v][d] of element e of n-tile n (m16n8 accumulator layout) <-> state memory.
-__device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
-  return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;
-}
-
 // kVariant (RecurrenceVariant): the sm_90 variant's sm_80 image is empty and never launched
 // (launch_recurrence checks the image's architecture).
 template <typename Elem, int kBlockV, int kVariant>
@@ -132,25 +127,49 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     }
 #endif
 
-    const int vblock = blockIdx.x, hv = blockIdx.y, n = blockIdx.z;
+    // Grid: (value blocks [x2 for kSegmentLocal: the transition's rows], HV, N [x segments]).
+    constexpr int kValueBlocks = kHeadDim / kBlockV;
+    const RecurrencePass pass = p.recurrence_pass;
+    const bool segmented = pass != RecurrencePass::kWhole;
+    const int hv = blockIdx.y;
+    const int n = segmented ? int(blockIdx.z / uint32_t(p.segments_per_seq)) : int(blockIdx.z);
+    const int seg = segmented ? int(blockIdx.z % uint32_t(p.segments_per_seq)) : 0;
+    const bool transition = pass == RecurrencePass::kSegmentLocal && int(blockIdx.x) >= kValueBlocks;  // v = 0
+    const int vblock = int(blockIdx.x) % kValueBlocks;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g8 = lane >> 2, t4 = lane & 3;
     const int v_local = 16 * warp;                      // first value row of this warp within the block
     const int v_glob = vblock * kBlockV + v_local;      // ... within the head
     const SeqSpan seq = sequence_span(p, n);
-    const int64_t chunks = num_chunks(seq.len);
+    const int64_t nchunks = recorded_chunks(p, seq);
+    // This block's chunks [j0, j1): the sequence, or one segment of it.
+    int64_t j0 = 0, j1 = nchunks;
+    if (segmented) {
+      j0 = int64_t(seg) * p.segment_chunks;
+      j1 = j0 + p.segment_chunks < nchunks ? j0 + p.segment_chunks : nchunks;
+      if (j0 >= j1) return;  // the whole block: past the sequence's last segment
+    }
 
     // ---- initial state -> registers ---------------------------------------------------------
+    // kWhole: state_in (zeros without); kSegmentLocal: zeros, or the identity for the transition;
+    // kSegmentOutput: the segment's start state.
     float s[kKeyTiles][4];
     {
       const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
+      const float* start = pass == RecurrencePass::kSegmentOutput
+                               ? p.seg_states + segment_matrix(p, n, seg, SegmentLayout::kStart, hv)
+                               : nullptr;
 #pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
           float x = 0.f;
-          if (p.state_in != nullptr) {
+          if (start != nullptr) {
+            x = start[v * kHeadDim + d];
+          } else if (transition) {
+            x = v == d ? 1.f : 0.f;
+          } else if (!segmented && p.state_in != nullptr) {
             const int64_t i = base + state_offset(p.state_v_first, v, d);
             x = p.state_in_dtype == DType::kBFloat16
                     ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
@@ -171,26 +190,27 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       const int64_t rest = seq.len - j * kChunk;
       return int(rest < kChunk ? rest : kChunk);
     };
-    // Bad cu_seqlens on the device could name more chunks than the workspace has: stop there.
-    const int64_t last = p.num_chunk_slots - seq.first_slot;
-    const int64_t nchunks = chunks < last ? chunks : (last > 0 ? last : 0);
+    const bool writes_output = pass != RecurrencePass::kSegmentLocal;
 
     constexpr int kStages = Shape::kStages;
-    auto issue = [&](int64_t j) {  // loads of chunk j into its stage (one cp.async group, maybe empty)
-      if (j < nchunks)
-        load_stage<Elem, Shape, kVariant>(p, stages[j % kStages], &stage_full[j % kStages], record(j),
-                                vbase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
+    auto issue = [&](int64_t i) {  // loads of the range's chunk i into its stage (one cp.async group, maybe empty)
+      const int64_t j = j0 + i;
+      if (j < j1)  // the transition runs with v = 0: a zero-filled v tile
+        load_stage<Elem, Shape, kVariant>(p, stages[i % kStages], &stage_full[i % kStages], record(j),
+                                          vbase + (seq.bos + j * kChunk) * p.v_token_stride,
+                                          transition ? 0 : chunk_len(j));
       sm80::cp_async_commit();
     };
 #pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) issue(j);
-    for (int64_t j = 0; j < nchunks; ++j) {
-      Stage& st = stages[j % kStages];
+    for (int i = 0; i < kStages - 1; ++i) issue(i);
+    for (int64_t i = 0; i < j1 - j0; ++i) {
+      const int64_t j = j0 + i;
+      Stage& st = stages[i % kStages];
       __syncthreads();  // every warp is done with the stage that the next load overwrites
-      issue(j + kStages - 1);
+      issue(i + kStages - 1);
       sm80::cp_async_wait<kStages - 1>();
 #ifdef FLASHKDA_BULK_COPY
-      if constexpr (kVariant != kCpAsyncMma) sm90::mbarrier_wait(&stage_full[j % kStages], uint32_t(j / kStages) & 1);
+      if constexpr (kVariant != kCpAsyncMma) sm90::mbarrier_wait(&stage_full[i % kStages], uint32_t(i / kStages) & 1);
 #endif
       __syncthreads();
 
@@ -302,17 +322,17 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
           }
       }
       // Output: through this warp's own columns of the v tile, then 16-byte stores.
-      __syncwarp();  // every lane's ldmatrix reads of these columns are done
+      if (writes_output) {
+        __syncwarp();  // every lane's ldmatrix reads of these columns are done
 #pragma unroll
-      for (int nt = 0; nt < kChunk / 8; ++nt) {
+        for (int nt = 0; nt < kChunk / 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
-          *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
+          for (int e = 0; e < 4; ++e) {
+            const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
+            *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
+          }
         }
-      }
-      __syncwarp();
-      {
+        __syncwarp();
         const int len = chunk_len(j);
         Elem* orow0 = obase + (seq.bos + j * kChunk) * p.o_token_stride + v_local;
 #pragma unroll
@@ -350,7 +370,17 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     }
 
     // ---- final state ------------------------------------------------------------------------
-    if (p.state_out != nullptr) {
+    if (pass == RecurrencePass::kSegmentLocal) {  // Q or P of the segment, fp32 [v][d]
+      float* dst = p.seg_states +
+                   segment_matrix(p, n, seg, transition ? SegmentLayout::kTransition : SegmentLayout::kLocal, hv);
+#pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4;
+          *reinterpret_cast<float2*>(dst + v * kHeadDim + d) = make_float2(s[nt][e], s[nt][e + 1]);
+        }
+    } else if (pass == RecurrencePass::kWhole && p.state_out != nullptr) {
       const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
 #pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt)
@@ -384,7 +414,10 @@ cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream)
   auto kernel = chunk_recurrence_kernel<Elem, kBlockV, kVariant>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<dim3(kHeadDim / kBlockV, p.HV, p.N), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  // kSegmentLocal runs the transition's rows as a second set of value blocks.
+  const int blocks_v = (kHeadDim / kBlockV) * (p.recurrence_pass == RecurrencePass::kSegmentLocal ? 2 : 1);
+  const int64_t blocks_n = int64_t(p.N) * (p.recurrence_pass == RecurrencePass::kWhole ? 1 : p.segments_per_seq);
+  kernel<<<dim3(blocks_v, p.HV, uint32_t(blocks_n)), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
