@@ -2,10 +2,11 @@
 each value split, with the per-kernel split of the time (torch.profiler). Prints a table.
 
     PYTHONPATH=.:bench python bench/prefill_quick.py [--rows fixed_8k_H96,...] [--no-accuracy]
-        [--splits 0,1,2] [--json out.json]
+        [--splits 0,1,2] [--segments 8,16] [--json out.json]
 
 Records (impl flashkda, flashkda_softplus, flashkda_gdn for the automatic value split; flashkda_split1
-/ flashkda_split2 for forced splits) use the timing and floor of bench/test_prefill.py.
+/ flashkda_split2 for forced splits, flashkda_seg{n} for segments of n chunks) use the timing and
+floor of bench/test_prefill.py.
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ def kernel_times(fn) -> dict:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-    out = {}
+    out = {}  # kernel time per call, ms (the segmented recurrence launches twice per call)
     for ev in prof.key_averages():
         if ev.device_type.name == "CUDA" and "chunk" in ev.key:
-            name = "prepare" if "prepare" in ev.key else ("recurrence" if "recurrence" in ev.key else "index")
-            out[name] = ev.device_time_total / ev.count / 1e3 if hasattr(ev, "device_time_total") else ev.cuda_time_total / ev.count / 1e3
+            name = next((n for n in ("prepare", "recurrence", "scan") if n in ev.key), "index")
+            total = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            out[name] = out.get(name, 0.0) + total / 5 / 1e3
     return out
 
 
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--splits", default="0,1,2")
+    ap.add_argument("--segments", default="", help="chunks per segment to time as well (FLASHKDA_CHUNK_SEGMENT)")
     ap.add_argument("--json", help="write the records here (rewritten after each one)")
     args = ap.parse_args()
     common.RESULTS_PATH = args.json
@@ -108,6 +111,15 @@ def main() -> None:
                     print(f"{case:22s} {impl + '/split' + str(split):18s} {ms:8.3f} {_floor(lens, H):7.3f}  {ks}",
                           flush=True)
             _ext.config.chunk_value_split = 0
+            for seg in (int(x) for x in args.segments.split(",") if x):
+                _ext.config.chunk_segment = seg
+                fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
+                ms = cuda_median_ms(fn, calls=20)
+                kt = kernel_times(fn)
+                _ext.config.chunk_segment = 0
+                record(case, f"flashkda_seg{seg}", ms, _floor(lens, H), **{f"{k}_ms": round(v, 4) for k, v in kt.items()})
+                ks = " ".join(f"{k}={v:.3f}" for k, v in sorted(kt.items()))
+                print(f"{case:22s} {'segments ' + str(seg):18s} {ms:8.3f} {_floor(lens, H):7.3f}  {ks}", flush=True)
 
 
 if __name__ == "__main__":
