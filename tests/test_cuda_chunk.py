@@ -159,7 +159,11 @@ def test_families_agree(gate):
     assert rel_err(o, res["sm80"][0]) < 2e-3 and rel_err(s, res["sm80"][1]) < 2e-3
 
 
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("segment", [0, 1])
+def test_cuda_graph_replay_matches_eager(monkeypatch, segment):
+    """Replay with new inputs equals eager, bit for bit: whole chains, and segments (their state
+    workspace comes from the caching allocator too)."""
+    monkeypatch.setattr(_ext.config, "chunk_segment", segment)
     gen_kw = dict(lens=[70, 1, 130], H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
     static = make_inputs(**gen_kw)
     names = ("q", "k", "v", "g", "beta", "initial_state")
