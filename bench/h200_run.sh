@@ -11,7 +11,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # bench/prefill_quick.py on the issue rows: one call of about five minutes after the build; with
 # DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, then the prefill rows with the
-# FLA baselines).
+# FLA baselines) | profile (bench/ncu_hotspots.sh on chunk_prepare, chunk_recurrence and the sm_90
+# decode kernel).
 # FLA's Triton kernels compile on first use: minutes on a fresh machine (one test took 205 s). A
 # Triton cache from an earlier run, carried as .cache/triton.tgz (git-ignored: name .cache in the
 # device call's carry), is unpacked first, and every run leaves its cache in $OUT/triton.tgz to be
@@ -63,6 +64,13 @@ if [[ $what == check ]]; then
   timeout 200 python3 bench/prefill_quick.py --splits 0 --segments "${SEGMENTS:-8,32}" --json "$OUT/quick.json" 2>&1 | grep -v -i warn
   [[ ${DECODE_SWEEP:-0} == 1 ]] && timeout 300 bash bench/harness/run_decode.sh
   [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh
+fi
+if [[ $what == profile ]]; then  # Nsight Compute: stall reasons and hot lines (printed; reports stay on the machine)
+  export PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH}
+  for k in chunk_prepare chunk_recurrence; do
+    OUT=/tmp/profile/$k timeout 200 bash bench/ncu_hotspots.sh "$k" bench/ncu_chunk.py 2>&1 | head -45
+  done
+  OUT=/tmp/profile/decode timeout 200 bash bench/ncu_hotspots.sh decode_step_bulk bench/ncu_decode.py 2>&1 | head -45
 fi
 if [[ $what == fla ]]; then
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
