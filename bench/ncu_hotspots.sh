@@ -26,4 +26,4 @@ for view in cuda sass; do
   ncu --import "$OUT/hot.ncu-rep" --page source --csv --print-source "$view" >"$OUT/hot_$view.csv" 2>"$OUT/hot_err.log" \
     || head -5 "$OUT/hot_err.log"
 done
-python3 bench/ncu_hotspots.py "$OUT/hot_cuda.csv" || python3 bench/ncu_hotspots.py "$OUT/hot_sass.csv"
+python3 bench/ncu_hotspots.py "$OUT/hot_cuda.csv" --top "${TOP:-15}" || python3 bench/ncu_hotspots.py "$OUT/hot_sass.csv" --top "${TOP:-15}"
