@@ -68,9 +68,9 @@ fi
 if [[ $what == profile ]]; then  # Nsight Compute: stall reasons and hot lines (printed; reports stay on the machine)
   export PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH}
   for k in chunk_prepare chunk_recurrence; do
-    OUT=/tmp/profile/$k timeout 200 bash bench/ncu_hotspots.sh "$k" bench/ncu_chunk.py 2>&1 | head -45
+    OUT=/tmp/profile/$k timeout 200 bash bench/ncu_hotspots.sh "$k" bench/ncu_chunk.py 2>&1 | head -60
   done
-  OUT=/tmp/profile/decode timeout 200 bash bench/ncu_hotspots.sh decode_step_bulk bench/ncu_decode.py 2>&1 | head -45
+  OUT=/tmp/profile/decode timeout 200 bash bench/ncu_hotspots.sh decode_step_bulk bench/ncu_decode.py 2>&1 | head -60
 fi
 if [[ $what == fla ]]; then
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
