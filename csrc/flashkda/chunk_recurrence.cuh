@@ -97,6 +97,23 @@ __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape:
   }
 }
 
+// acc (16 value rows x kChunk tokens, m16n8 accumulators) += A · Lᵀ on mma.sync, with A the 16 x kChunk
+// operand in A fragments (16 tokens per k-step) and L a lower-triangular [kChunk][kChunk] SqTile at
+// l_s (T or mqk): output tiles np >= kc only.
+template <typename Elem>
+__device__ __forceinline__ void times_lower_transposed(float (&acc)[kChunk / 8][4], const uint32_t (&a)[kChunk / 16][4],
+                                                       uint32_t l_s, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < kChunk / 16; ++kc)
+#pragma unroll
+    for (int np = kc; np < kChunk / 16; ++np) {
+      uint32_t bf[4];
+      sm80::ldmatrix_x4(bf, l_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8, 2 * kc + ((lane >> 3) & 1)));
+      sm80::mma_16816<Elem>(acc[2 * np], a[kc], bf[0], bf[1]);
+      sm80::mma_16816<Elem>(acc[2 * np + 1], a[kc], bf[2], bf[3]);
+    }
+}
+
 // kVariant (RecurrenceVariant): the sm_90 variant's sm_80 image is empty and never launched
 // (launch_recurrence checks the image's architecture).
 template <typename Elem, int kBlockV, int kVariant>
@@ -278,17 +295,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       } else
 #endif
       {
-        // Uᵀ = vᵀ Tᵀ (T lower triangular: output tiles np >= kc only)
-#pragma unroll
-        for (int kc = 0; kc < kChunk / 16; ++kc)
-#pragma unroll
-          for (int np = kc; np < kChunk / 16; ++np) {
-            uint32_t bf[4];
-            sm80::ldmatrix_x4(bf, tinv_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                                2 * kc + ((lane >> 3) & 1)));
-            sm80::mma_16816<Elem>(u[2 * np], va[kc], bf[0], bf[1]);
-            sm80::mma_16816<Elem>(u[2 * np + 1], va[kc], bf[2], bf[3]);
-          }
+        times_lower_transposed<Elem>(u, va, tinv_s, lane);  // Uᵀ = vᵀ Tᵀ
         // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ
 #pragma unroll
         for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
@@ -309,17 +316,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         }
 #pragma unroll
         for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
-        // Oᵀ += Uᵀ mqkᵀ (mqk lower triangular)
-#pragma unroll
-        for (int kc = 0; kc < kChunk / 16; ++kc)
-#pragma unroll
-          for (int np = kc; np < kChunk / 16; ++np) {
-            uint32_t bf[4];
-            sm80::ldmatrix_x4(bf, mqk_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
-                                                               2 * kc + ((lane >> 3) & 1)));
-            sm80::mma_16816<Elem>(o[2 * np], ua[kc], bf[0], bf[1]);
-            sm80::mma_16816<Elem>(o[2 * np + 1], ua[kc], bf[2], bf[3]);
-          }
+        times_lower_transposed<Elem>(o, ua, mqk_s, lane);  // Oᵀ += Uᵀ mqkᵀ
       }
       // Output: through this warp's own columns of the v tile, then 16-byte stores.
       if (writes_output) {
