@@ -61,7 +61,7 @@ if [[ $what == check ]]; then
   done
   FLASHKDA_FLA_BACKEND=0 timeout 150 python3 bench/diagnose.py 2>&1 | grep -v -i warn | tail -8
   FLASHKDA_FLA_BACKEND=0 timeout 60 python3 bench/host_profile.py 2>&1 | tail -11
-  timeout 200 python3 bench/prefill_quick.py --splits 0 --segments "${SEGMENTS:-8,32}" --json "$OUT/quick.json" 2>&1 | grep -v -i warn
+  timeout 200 python3 bench/prefill_quick.py --splits 0 --segments "${SEGMENTS:-0,16,32,64}" --json "$OUT/quick.json" 2>&1 | grep -v -i warn
   [[ ${DECODE_SWEEP:-0} == 1 ]] && timeout 300 bash bench/harness/run_decode.sh
   [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh
 fi

@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--splits", default="0,1,2")
-    ap.add_argument("--segments", default="", help="chunks per segment to time as well (FLASHKDA_CHUNK_SEGMENT)")
+    ap.add_argument("--segments", default="", help="chunks per segment to time as well, 0 for whole chains (FLASHKDA_CHUNK_SEGMENT; the main rows use auto)")
     ap.add_argument("--json", help="write the records here (rewritten after each one)")
     args = ap.parse_args()
     common.RESULTS_PATH = args.json
@@ -116,7 +116,7 @@ def main() -> None:
                 fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
                 ms = cuda_median_ms(fn, calls=20)
                 kt = kernel_times(fn)
-                _ext.config.chunk_segment = 0
+                _ext.config.chunk_segment = -1
                 record(case, f"flashkda_seg{seg}", ms, _floor(lens, H), **{f"{k}_ms": round(v, 4) for k, v in kt.items()})
                 ks = " ".join(f"{k}={v:.3f}" for k, v in sorted(kt.items()))
                 print(f"{case:22s} {'segments ' + str(seg):18s} {ms:8.3f} {_floor(lens, H):7.3f}  {ks}", flush=True)

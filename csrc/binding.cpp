@@ -512,13 +512,32 @@ PyMethodDef fused_recurrent_def = {
 
 }  // namespace fast
 
+// Chunks per segment for few long chains, or 0 for whole chains. chunk_recurrence holds one block
+// per SM and spends about the same time per chunk whatever the grid (H200: 1.66 µs at T = 32768,
+// H = 8, and 1.68 µs at T = 8192, H = 16), so a launch costs (chunks per block) × (waves of blocks).
+// Segments of c chunks cost c × (waves of the local pass, which runs twice the blocks, plus waves
+// of the output pass) plus one scan step per segment (about a microsecond, counted as one chunk);
+// they are taken when that saves at least a sixth. `chunks` is per sequence (the mean with
+// cu_seqlens: lengths live on the device), `chains` the blocks of one whole-chain launch.
+int64_t auto_segment_chunks(int64_t chunks, int64_t chains, int64_t sms) {
+  auto waves = [sms](int64_t blocks) { return (blocks + sms - 1) / sms; };
+  int64_t best = 0, best_cost = chunks * waves(chains) * 5 / 6;
+  for (int64_t c = 16; c < chunks; c *= 2) {
+    const int64_t segments = (chunks + c - 1) / c;
+    const int64_t cost = c * (waves(2 * chains * segments) + waves(chains * segments)) + segments;
+    if (cost < best_cost) best = c, best_cost = cost;
+  }
+  return best;
+}
+
 // Chunked forward (prefill). Shapes and semantics: KDA_SPEC, chunk_kda / chunk_gated_delta_rule;
 // K == V == chunk::kHeadDim, bf16 or fp16 token tensors. The workspace (one record per chunk and
 // value head, plus the varlen chunk index) comes from PyTorch's caching allocator, so under
 // CUDA-graph capture it lives in the graph's private pool. value_split: blocks per (sequence,
 // head) in chunk_recurrence, 1 or 2; 0 picks by the number of (sequence, head) chains.
 // segment_chunks: 0 runs each sequence's recurrence in one chain; n > 0 cuts it into segments of n
-// chunks that run in parallel and are joined by a scan (RecurrencePass, chunk_params.h).
+// chunks that run in parallel and are joined by a scan (RecurrencePass, chunk_params.h); -1 picks
+// by auto_segment_chunks.
 void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
@@ -555,11 +574,24 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   }
   TORCH_CHECK(slots < (int64_t(1) << 31), "flashkda: too many chunks");
   p.num_chunk_slots = int32_t(slots);
-  TORCH_CHECK(segment_chunks >= 0, "flashkda: segment_chunks must be >= 0, got ", segment_chunks);
+  const c10::cuda::CUDAGuard guard(q.device());
+  p.num_sms = num_sms(q.get_device());
+  p.kernel_family = kernel_family();
+  // chunk_recurrence runs one block per SM (its shared memory): split a chain's value columns over
+  // two blocks only while all blocks still fit in one wave (measured on the H200: H = 64 split 0.29
+  // ms vs 0.49 unsplit; H = 96 split 0.57 ms, two waves, vs 0.50 unsplit).
+  if (value_split == 0) value_split = 2 * int64_t(p.N) * p.HV <= p.num_sms ? 2 : 1;
+  TORCH_CHECK(value_split == 1 || value_split == 2, "flashkda: value_split must be 0, 1 or 2");
+  p.value_split = int32_t(value_split);
+  TORCH_CHECK(segment_chunks >= -1, "flashkda: segment_chunks must be -1 (auto), 0 or more, got ", segment_chunks);
+  // With cu_seqlens one sequence may hold every token: size the grid for that.
+  const int64_t max_chunks = p.cu_seqlens != nullptr ? (int64_t(p.T) + chunk - 1) / chunk : p.chunks_per_seq;
+  if (segment_chunks == -1) {
+    const int64_t mean_chunks = p.cu_seqlens == nullptr ? p.chunks_per_seq : max_chunks / std::max(p.N, 1);
+    segment_chunks = auto_segment_chunks(mean_chunks, int64_t(p.N) * p.HV * value_split, p.num_sms);
+  }
   p.recurrence_pass = chunk::RecurrencePass::kWhole;
   if (segment_chunks > 0) {
-    // Segments of the longest sequence possible: with cu_seqlens one sequence may hold every token.
-    const int64_t max_chunks = p.cu_seqlens != nullptr ? (int64_t(p.T) + chunk - 1) / chunk : p.chunks_per_seq;
     const int64_t segments = std::max<int64_t>(1, (max_chunks + segment_chunks - 1) / segment_chunks);
     TORCH_CHECK(segments * p.N < 65536, "flashkda: too many segments (", segments, " per sequence, ", p.N,
                 " sequences): choose more chunks per segment");
@@ -576,15 +608,6 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   if (segment_bytes > 0) p.seg_states = reinterpret_cast<float*>(ws + record_bytes);  // 16-byte aligned
   if (p.cu_seqlens != nullptr) p.chunk_offsets = reinterpret_cast<int32_t*>(ws + record_bytes + segment_bytes);
 
-  const c10::cuda::CUDAGuard guard(q.device());
-  p.num_sms = num_sms(q.get_device());
-  p.kernel_family = kernel_family();
-  // chunk_recurrence runs one block per SM (its shared memory): split a chain's value columns over
-  // two blocks only while all blocks still fit in one wave (measured on the H200: H = 64 split 0.29
-  // ms vs 0.49 unsplit; H = 96 split 0.57 ms, two waves, vs 0.50 unsplit).
-  if (value_split == 0) value_split = 2 * int64_t(p.N) * p.HV <= p.num_sms ? 2 : 1;
-  TORCH_CHECK(value_split == 1 || value_split == 2, "flashkda: value_split must be 0, 1 or 2");
-  p.value_split = int32_t(value_split);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaSuccess;
   auto run = [&](auto elem) {

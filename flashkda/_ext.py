@@ -6,9 +6,10 @@ the run-time switches read from the environment at import.
   ``cu_seqlens`` order on CUDA) run, synchronising, and raise instead of skipping.
 * ``FLASHKDA_CHUNK_VALUE_SPLIT=0|1|2``: blocks per (sequence, head) in the chunked recurrence;
   0 (default) chooses from the number of (sequence, head) chains and SMs.
-* ``FLASHKDA_CHUNK_SEGMENT=n``: cut each sequence's chunked recurrence into segments of n chunks
-  (64 tokens each) that run in parallel and are joined by a scan of their affine state maps, for
-  few long (sequence, head) chains; 0 (default) runs each chain whole.
+* ``FLASHKDA_CHUNK_SEGMENT=auto|0|n``: cut each sequence's chunked recurrence into segments of n
+  chunks (64 tokens each) that run in parallel and are joined by a scan of their affine state maps;
+  0 runs each chain whole; ``auto`` (default, stored as -1) segments few long (sequence, head)
+  chains, as under tensor parallelism, by a cost model in the binding (``auto_segment_chunks``).
 * ``FLASHKDA_KERNEL_FAMILY=auto|sm80|sm90``: the kernel family. ``sm90`` (and ``auto``, the
   default) runs the sm_90 kernels on an sm_90 device with an sm_90a build: the bulk-copy decode
   kernel for the cases it covers (decode-sized calls of at most 8 tokens per sequence on average,
@@ -51,7 +52,7 @@ class Config:
     force_reference: bool = False
     debug: bool = False
     chunk_value_split: int = 0
-    chunk_segment: int = 0
+    chunk_segment: int = -1  # -1: auto
     kernel_family: str = "auto"
 
     @classmethod
@@ -59,9 +60,11 @@ class Config:
         split = os.environ.get("FLASHKDA_CHUNK_VALUE_SPLIT", "0").strip() or "0"
         if split not in ("0", "1", "2"):
             raise ValueError(f"flashkda: FLASHKDA_CHUNK_VALUE_SPLIT must be 0, 1 or 2, got {split!r}")
-        segment = os.environ.get("FLASHKDA_CHUNK_SEGMENT", "0").strip() or "0"
-        if not segment.isdigit():
-            raise ValueError(f"flashkda: FLASHKDA_CHUNK_SEGMENT must be a number of chunks >= 0, got {segment!r}")
+        segment = os.environ.get("FLASHKDA_CHUNK_SEGMENT", "auto").strip().lower() or "auto"
+        if segment == "auto":
+            segment = "-1"
+        elif not segment.isdigit():
+            raise ValueError(f"flashkda: FLASHKDA_CHUNK_SEGMENT must be auto or a number of chunks >= 0, got {segment!r}")
         family = _kernel_family_name(os.environ.get("FLASHKDA_KERNEL_FAMILY", "auto"), "FLASHKDA_KERNEL_FAMILY")
         return cls(force_reference=_env_flag("FLASHKDA_FORCE_REFERENCE"), debug=_env_flag("FLASHKDA_DEBUG"),
                    chunk_value_split=int(split), chunk_segment=int(segment), kernel_family=family)

@@ -439,8 +439,9 @@ def test_chunk_kernel_reasons_and_alignment():
 
 
 def test_chunk_segment_switch(monkeypatch):
-    """FLASHKDA_CHUNK_SEGMENT: chunks per segment of the chunked recurrence, 0 (default) for none."""
-    for raw, value in (("", 0), ("0", 0), (" 8 ", 8)):
+    """FLASHKDA_CHUNK_SEGMENT: chunks per segment of the chunked recurrence, 0 for none, auto
+    (default, -1) for the binding's choice."""
+    for raw, value in (("", -1), (" Auto", -1), ("0", 0), (" 8 ", 8)):
         monkeypatch.setenv("FLASHKDA_CHUNK_SEGMENT", raw)
         assert _ext.Config.from_env().chunk_segment == value
     for bad in ("-1", "two"):

@@ -143,6 +143,32 @@ def test_segments_match_whole(monkeypatch, segment, case):
     _check(kw, gdn=gdn)
 
 
+def _kernels_launched(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, {ev.key for ev in prof.key_averages() if ev.device_type.name == "CUDA"}
+
+
+@pytest.mark.parametrize("shape,segmented", [((1, 4096 + 37, 1), True), ((8, 2048, 16), False)])
+def test_auto_segments(monkeypatch, shape, segmented):
+    """The default (auto) segments few long chains and leaves many chains whole: the scan kernel's
+    launch is the spy, and the result equals the whole chains'."""
+    B, T, H = shape
+    kw = make_inputs(B=B, T=T, H=H, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
+    monkeypatch.setattr(_ext.config, "chunk_segment", 0)
+    o1, s1 = flashkda.chunk_kda(**kw, output_final_state=True)
+    monkeypatch.setattr(_ext.config, "chunk_segment", -1)
+    _poison_allocator()
+    (o2, s2), kernels = _kernels_launched(lambda: flashkda.chunk_kda(**kw, output_final_state=True))
+    assert any("chunk_recurrence" in k for k in kernels), kernels
+    assert any("chunk_segment_scan" in k for k in kernels) == segmented, kernels
+    assert torch.isfinite(o2).all() and torch.isfinite(s2).all()
+    assert rel_err(o2, o1) < 2e-3 and rel_err(s2, s1) < 2e-3
+
+
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
 def test_families_agree(gate):
     """The sm_90 family runs the recurrence's products on wgmma, the sm_80 family on mma.sync: the
