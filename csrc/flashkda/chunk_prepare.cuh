@@ -64,7 +64,7 @@ static_assert(kSubChunks == 4, "the phase-2 job list and the inverse assume four
 // Aliases, valid after the A / M products:
 //   qi: amat (f32 [kChunk][kSqStride]) then tinv_s (SqTile)
 //   ki: linv (f32 [kChunk][kSqStride]) then mqk_s (SqTile)
-//   kj: scratch (f32 16x16 blocks of the inverse, row stride kScratchStride), then w_s (MatTile)
+//   kj: scratch (f32, [kSubChunk][kScratchStride] per warp) during the inverse, then w_s (MatTile)
 constexpr int kAliasSqF32Bytes = kChunk * kSqStride * 4;
 static_assert(kAliasSqF32Bytes + kChunk * kChunk * 2 <= int(sizeof(float)) * kChunk * kF32Stride, "alias fits");
 static_assert(kAliasSqF32Bytes % 16 == 0, "b16 tile after the fp32 matrix stays 16-byte aligned");
@@ -175,15 +175,6 @@ __device__ __forceinline__ void store_block(float* dst, int stride, const float 
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dst[(g8 + 8 * (e >> 1)) * stride + 8 * nt + 2 * t4 + (e & 1)] = sign * acc[nt][e];
-}
-
-// The inverse of store_block (sign 1): a 16x16 fp32 block into C fragments.
-__device__ __forceinline__ void load_block(float (&acc)[2][4], const float* src, int stride) {
-  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[nt][e] = src[(g8 + 8 * (e >> 1)) * stride + 8 * nt + 2 * t4 + (e & 1)];
 }
 
 // Phase 2 work list: the ten blocks (a, b), b <= a, of A and of M, spread over four warps each
@@ -590,55 +581,24 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
   }
   __syncthreads();
-  // Off-diagonal blocks by levels over the eight warps, one 16x16x16 product (3xTF32, fp32
-  // accuracy) per warp and level. With B[a, c] = L[a, a] A[a, c]:
-  //   L[a, b] = −Σ_{c=b}^{a−1} B[a, c] L[c, b].
-  // Level 1 forms the six B blocks; level 2 the sub-diagonal blocks L[a+1, a] and the first terms
-  // of L[2, 0], L[3, 1] and L[3, 0]; level 3 L[2, 0], L[3, 1] and the second term of L[3, 0];
-  // level 4 L[3, 0]. Four products in series (one warp per block column took nine).
-  {
-    auto lblk = [&](int a, int b) { return linv + a * kSubChunk * kSqStride + b * kSubChunk; };
-    auto sblk = [&](int i) { return scratch + i * kSubChunk * kScratchStride; };  // B: pair_index, then partials
-    constexpr int kP20 = kPairs, kP31 = kPairs + 1, kP30 = kPairs + 2;
-    static_assert((kPairs + 3) * kSubChunk * kScratchStride * 4 <= kChunk * kHeadDim * 2, "scratch fits in kj");
-    // dst = sign (addend + X Y); addend may alias dst.
-    auto job = [&](float* dst, int sd, const float* addend, const float* X, int sx, const float* Y, int sy,
-                   float sign) {
-      float acc[2][4];
-      if (addend != nullptr) load_block(acc, addend, kScratchStride);
-      else
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
-      block_product_3xtf32(acc, X, sx, Y, sy);
-      store_block(dst, sd, acc, sign);
-    };
-    if (warp < kPairs) {
-      int a = 1, c = warp;  // pair_index(a, c) = warp
-      while (c >= a) c -= a++;
-      job(sblk(warp), kScratchStride, nullptr, lblk(a, a), kSqStride, amat + a * kSubChunk * kSqStride + c * kSubChunk,
-          kSqStride, 1.f);
+  // Off-diagonal blocks, one warp per block column b (columns are independent):
+  //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
+  // as 16x16x16 products on the tensor cores with fp32-accurate 3xTF32 operands.
+  if (warp < kSubChunks - 1) {
+    const int b = warp;
+    float* scr = scratch + warp * kSubChunk * kScratchStride;
+    for (int a = b + 1; a < kSubChunks; ++a) {
+      float acc[2][4] = {};
+      for (int c = b; c < a; ++c)
+        block_product_3xtf32(acc, amat + a * kSubChunk * kSqStride + c * kSubChunk, kSqStride,
+                             linv + c * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
+      store_block(scr, kScratchStride, acc, 1.f);
+      __syncwarp();
+      float acc2[2][4] = {};
+      block_product_3xtf32(acc2, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
+      store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc2, -1.f);
+      __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
     }
-    __syncthreads();
-    if (warp < kSubChunks - 1) {
-      const int b = warp;
-      job(lblk(b + 1, b), kSqStride, nullptr, sblk(pair_index(b + 1, b)), kScratchStride, lblk(b, b), kSqStride, -1.f);
-    } else if (warp < kSubChunks + 2) {  // P20 = B20 L00, P31 = B31 L11, P30 = B30 L00
-      const int i = warp - (kSubChunks - 1), a = i == 0 ? 2 : 3, c = i == 1 ? 1 : 0;
-      job(sblk(kPairs + i), kScratchStride, nullptr, sblk(pair_index(a, c)), kScratchStride, lblk(c, c), kSqStride,
-          1.f);
-    }
-    __syncthreads();
-    if (warp == 0)
-      job(lblk(2, 0), kSqStride, sblk(kP20), sblk(pair_index(2, 1)), kScratchStride, lblk(1, 0), kSqStride, -1.f);
-    else if (warp == 1)
-      job(lblk(3, 1), kSqStride, sblk(kP31), sblk(pair_index(3, 2)), kScratchStride, lblk(2, 1), kSqStride, -1.f);
-    else if (warp == 2)
-      job(sblk(kP30), kScratchStride, sblk(kP30), sblk(pair_index(3, 1)), kScratchStride, lblk(1, 0), kSqStride, 1.f);
-    __syncthreads();
-    if (warp == 0)
-      job(lblk(3, 0), kSqStride, sblk(kP30), sblk(pair_index(3, 2)), kScratchStride, lblk(2, 0), kSqStride, -1.f);
   }
   __syncthreads();
   // T = L diag(β), lower triangle, 16 bytes per store into shared memory (phase 4) and the record.
