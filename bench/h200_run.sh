@@ -78,9 +78,11 @@ if [[ $what == fla ]]; then
     --durations=3 2>&1 | tail -6
 fi
 if [[ $what == prefill || $what == fla ]]; then
-  FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-300} python3 -m pytest -q bench/test_prefill.py -m "not sweep" -p no:cacheprovider \
-    --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -3
-  python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" || rc=1
+  # PREFILL_MARK="" also runs the T sweep (marked sweep) and draws its plot.
+  FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-300} python3 -m pytest -q bench/test_prefill.py -m "${PREFILL_MARK-not sweep}" \
+    -p no:cacheprovider --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -3
+  python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" \
+    ${PREFILL_MARK+--plot "$OUT/prefill_vs_T.png"} || rc=1
 fi
 if [[ $what == all || $what == bench ]]; then
   # FLASHKDA_FLA_BACKEND=0: the FLA baselines must run FLA itself, not flashkda registered inside it.
