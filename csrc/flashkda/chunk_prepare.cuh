@@ -143,10 +143,15 @@ __device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, i
 // reads (rows t, t+4; columns g) then hit 32 different banks.
 constexpr int kScratchStride = 24;
 
+// Operands of the off-diagonal inverse products: tf32 (10-bit mantissa, rounded to nearest). T is
+// rounded to the 16-bit input type for the record right after, so a 3xTF32 split (fp32 accuracy,
+// three MMAs per product) bought no accuracy: the products sit on the inverse's serial chain.
+constexpr bool kInverseSplitTf32 = false;
+
 // acc (two 16x8 C fragments, columns 0-7 and 8-15) += X · Y for 16x16 fp32 blocks in shared
-// memory (row strides sx, sy), with 3xTF32 operands.
-__device__ __forceinline__ void block_product_3xtf32(float (&acc)[2][4], const float* X, int sx, const float* Y,
-                                                     int sy) {
+// memory (row strides sx, sy), tf32 operands (kInverseSplitTf32: 3xTF32, fp32 accuracy).
+__device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const float* X, int sx, const float* Y,
+                                                   int sy) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks) {
@@ -155,20 +160,28 @@ __device__ __forceinline__ void block_product_3xtf32(float (&acc)[2][4], const f
                          X[(g8 + 8) * sx + k0 + t4 + 4]};
     uint32_t ahi[4], alo[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) sm80::split_tf32(xa[r], ahi[r], alo[r]);
+    for (int r = 0; r < 4; ++r) {
+      if constexpr (kInverseSplitTf32) sm80::split_tf32(xa[r], ahi[r], alo[r]);
+      else ahi[r] = sm80::to_tf32(xa[r]);
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      uint32_t bhi0, blo0, bhi1, blo1;
-      sm80::split_tf32(Y[(k0 + t4) * sy + 8 * nt + g8], bhi0, blo0);
-      sm80::split_tf32(Y[(k0 + t4 + 4) * sy + 8 * nt + g8], bhi1, blo1);
-      sm80::mma_1688_tf32(acc[nt], alo, bhi0, bhi1);
-      sm80::mma_1688_tf32(acc[nt], ahi, blo0, blo1);
-      sm80::mma_1688_tf32(acc[nt], ahi, bhi0, bhi1);
+      const float y0 = Y[(k0 + t4) * sy + 8 * nt + g8], y1 = Y[(k0 + t4 + 4) * sy + 8 * nt + g8];
+      if constexpr (kInverseSplitTf32) {
+        uint32_t bhi0, blo0, bhi1, blo1;
+        sm80::split_tf32(y0, bhi0, blo0);
+        sm80::split_tf32(y1, bhi1, blo1);
+        sm80::mma_1688_tf32(acc[nt], alo, bhi0, bhi1);
+        sm80::mma_1688_tf32(acc[nt], ahi, blo0, blo1);
+        sm80::mma_1688_tf32(acc[nt], ahi, bhi0, bhi1);
+      } else {
+        sm80::mma_1688_tf32(acc[nt], ahi, sm80::to_tf32(y0), sm80::to_tf32(y1));
+      }
     }
   }
 }
 
-// A 16x16 block of C fragments (as block_product_3xtf32 leaves it), times sign, to shared memory.
+// A 16x16 block of C fragments (as block_product_tf32 leaves it), times sign, to shared memory.
 __device__ __forceinline__ void store_block(float* dst, int stride, const float (&acc)[2][4], float sign) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
 #pragma unroll
@@ -583,19 +596,19 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   __syncthreads();
   // Off-diagonal blocks, one warp per block column b (columns are independent):
   //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
-  // as 16x16x16 products on the tensor cores with fp32-accurate 3xTF32 operands.
+  // as 16x16x16 products on the tf32 tensor cores.
   if (warp < kSubChunks - 1) {
     const int b = warp;
     float* scr = scratch + warp * kSubChunk * kScratchStride;
     for (int a = b + 1; a < kSubChunks; ++a) {
       float acc[2][4] = {};
       for (int c = b; c < a; ++c)
-        block_product_3xtf32(acc, amat + a * kSubChunk * kSqStride + c * kSubChunk, kSqStride,
+        block_product_tf32(acc, amat + a * kSubChunk * kSqStride + c * kSubChunk, kSqStride,
                              linv + c * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
       store_block(scr, kScratchStride, acc, 1.f);
       __syncwarp();
       float acc2[2][4] = {};
-      block_product_3xtf32(acc2, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
+      block_product_tf32(acc2, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
       store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc2, -1.f);
       __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
     }
