@@ -13,15 +13,22 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, then the prefill rows with the
 # FLA baselines) | profile (bench/ncu_hotspots.sh on chunk_prepare, chunk_recurrence and the sm_90
 # decode kernel).
-# FLA's Triton kernels compile on first use: minutes on a fresh machine (one test took 205 s). A
-# Triton cache from an earlier run, carried as .cache/triton.tgz (git-ignored: name .cache in the
-# device call's carry), is unpacked first, and every run leaves its cache in $OUT/triton.tgz to be
-# kept as .cache/triton.tgz for the next one.
+# FLA's Triton kernels compile (and autotune) on first use: minutes on a fresh machine (one test
+# took 205 s). A Triton cache from an earlier run, carried as .cache/triton.tar.xz.NN (git-ignored:
+# name .cache in the device call's carry), is unpacked first. Every run leaves its cache in
+# $OUT/triton.tar.xz.NN, to be copied to .cache/ for the next one: compiled binaries, metadata and
+# autotuning results only (Triton loads a cached kernel through its group file, which skips the
+# missing IR files; the cache dir is the same path on every machine), xz-compressed, in parts of
+# 15 MiB (the largest file that comes back is 16 MiB).
 what=${1:-all}
-export TRITON_CACHE_DIR=/tmp/triton_cache
+export TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
-[[ -f .cache/triton.tgz ]] && tar -xzf .cache/triton.tgz -C "$TRITON_CACHE_DIR"
-trap 'tar -czf "$OUT/triton.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null' EXIT
+compgen -G ".cache/triton.tar.xz.*" >/dev/null && cat .cache/triton.tar.xz.* | tar -xJf - -C "$TRITON_CACHE_DIR"
+save_triton_cache() {
+  (cd "$TRITON_CACHE_DIR" && find . -type f ! -name '*.ttir' ! -name '*.ttgir' ! -name '*.llir' ! -name '*.ptx' \
+    ! -name '*.source' -print0 | tar --null -T - -I 'xz -T0' -cf -) | split -b 15m -d - "$OUT/triton.tar.xz."
+}
+trap save_triton_cache EXIT
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
