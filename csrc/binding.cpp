@@ -586,21 +586,25 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(segment_chunks >= -1, "flashkda: segment_chunks must be -1 (auto), 0 or more, got ", segment_chunks);
   // With cu_seqlens one sequence may hold every token: size the grid for that.
   const int64_t max_chunks = p.cu_seqlens != nullptr ? (int64_t(p.T) + chunk - 1) / chunk : p.chunks_per_seq;
-  if (segment_chunks == -1) {
+  const bool auto_segments = segment_chunks == -1;
+  if (auto_segments) {
     const int64_t mean_chunks = p.cu_seqlens == nullptr ? p.chunks_per_seq : max_chunks / std::max(p.N, 1);
     segment_chunks = auto_segment_chunks(mean_chunks, int64_t(p.N) * p.HV * value_split, p.num_sms);
   }
+  // Grid z of the segment passes is N × segments per sequence (at most 65535).
+  const int64_t segments =
+      segment_chunks > 0 ? std::max<int64_t>(1, (max_chunks + segment_chunks - 1) / segment_chunks) : 0;
+  if (auto_segments && segments * p.N >= 65536) segment_chunks = 0;
   p.recurrence_pass = chunk::RecurrencePass::kWhole;
   if (segment_chunks > 0) {
-    const int64_t segments = std::max<int64_t>(1, (max_chunks + segment_chunks - 1) / segment_chunks);
     TORCH_CHECK(segments * p.N < 65536, "flashkda: too many segments (", segments, " per sequence, ", p.N,
                 " sequences): choose more chunks per segment");
     p.segment_chunks = int32_t(segment_chunks);
     p.segments_per_seq = int32_t(segments);
   }
   const int64_t record_bytes = slots * p.HV * chunk::WorkspaceLayout::kRecordBytes;
-  const int64_t segment_bytes = int64_t(p.N) * p.segments_per_seq * chunk::SegmentLayout::kKinds * p.HV *
-                                chunk::SegmentLayout::kMatrixFloats * 4;
+  const int64_t segment_bytes =
+      segment_count(p) * chunk::SegmentLayout::kKinds * p.HV * chunk::SegmentLayout::kMatrixFloats * 4;
   const int64_t index_bytes = p.cu_seqlens != nullptr ? (int64_t(p.N) + 1) * 4 : 0;
   const at::Tensor workspace = at::empty({record_bytes + segment_bytes + index_bytes}, q.options().dtype(at::kByte));
   uint8_t* const ws = static_cast<uint8_t*>(workspace.data_ptr());

@@ -25,10 +25,14 @@ struct SeqSpan {
 
 __device__ __forceinline__ int64_t num_chunks(int64_t len) { return (len + kChunk - 1) / kChunk; }
 
-// Offset (floats) of one segment matrix in ChunkParams::seg_states (SegmentLayout).
-__device__ __forceinline__ int64_t segment_matrix(const ChunkParams& p, int n, int seg, int kind, int hv) {
-  return (((int64_t(n) * p.segments_per_seq + seg) * SegmentLayout::kKinds + kind) * p.HV + hv) *
-         SegmentLayout::kMatrixFloats;
+// Offset (floats) of one segment matrix in ChunkParams::seg_states (SegmentLayout). Sequence n's
+// segments start at segment first_slot / segment_chunks + n: it has ceil(chunks / segment_chunks)
+// <= chunks / segment_chunks + 1 of them, so the ranges of consecutive sequences never overlap and
+// all fit in segment_count() (sized by the chunk slots, not by N times the longest sequence).
+__device__ __forceinline__ int64_t segment_matrix(const ChunkParams& p, int n, const SeqSpan& seq, int seg, int kind,
+                                                  int hv) {
+  const int64_t index = seq.first_slot / p.segment_chunks + n + seg;
+  return ((index * SegmentLayout::kKinds + kind) * p.HV + hv) * SegmentLayout::kMatrixFloats;
 }
 
 // Element (v, d) of Sᵀ (value row v, key column d) in a [kHeadDim][kHeadDim] state of either layout.

@@ -75,8 +75,15 @@ struct ChunkParams : RecurrentParams {
   int32_t segment_chunks;     // chunks per segment
   int32_t segments_per_seq;   // segments of the longest possible sequence (grid z = N * this)
   chunk::RecurrencePass recurrence_pass;
-  float* seg_states;          // [N, segments_per_seq, SegmentLayout::kKinds, HV, kHeadDim, kHeadDim]
+  float* seg_states;          // [segment_count(), SegmentLayout::kKinds, HV, kHeadDim, kHeadDim]
+                              // (segment_matrix in chunk_common.cuh)
 };
+
+// Segment matrices of all sequences together (see segment_matrix): at most
+// num_chunk_slots / segment_chunks + N, whatever the split of the slots into sequences.
+inline int64_t segment_count(const ChunkParams& p) {
+  return p.segment_chunks == 0 ? 0 : int64_t(p.num_chunk_slots) / p.segment_chunks + p.N + 1;
+}
 
 
 }  // namespace flashkda

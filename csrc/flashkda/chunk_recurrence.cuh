@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     {
       const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
       const float* start = pass == RecurrencePass::kSegmentOutput
-                               ? p.seg_states + segment_matrix(p, n, seg, SegmentLayout::kStart, hv)
+                               ? p.seg_states + segment_matrix(p, n, seq, seg, SegmentLayout::kStart, hv)
                                : nullptr;
 #pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt)
@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     // ---- final state ------------------------------------------------------------------------
     if (pass == RecurrencePass::kSegmentLocal) {  // Q or P of the segment, fp32 [v][d]
       float* dst = p.seg_states +
-                   segment_matrix(p, n, seg, transition ? SegmentLayout::kTransition : SegmentLayout::kLocal, hv);
+                   segment_matrix(p, n, seq, seg, transition ? SegmentLayout::kTransition : SegmentLayout::kLocal, hv);
 #pragma unroll
       for (int nt = 0; nt < kKeyTiles; ++nt)
 #pragma unroll

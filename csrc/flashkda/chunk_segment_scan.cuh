@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(ScanLayout::kThreads) chunk_segment_scan_kerne
   const int64_t state_base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
 
   auto prefetch_transition = [&](int s) {  // P_s into buffer s % 2
-    const float* src = p.seg_states + segment_matrix(p, n, s, SegmentLayout::kTransition, hv);
+    const float* src = p.seg_states + segment_matrix(p, n, seq, s, SegmentLayout::kTransition, hv);
     const uint32_t dst = sm80::smem_u32(scan_smem + L::kP + (s & 1) * kHeadDim * kHeadDim);
     for (int e = tid; e < kHeadDim * kHeadDim / 4; e += L::kThreads) sm80::cp_async_16(dst + e * 16, src + 4 * e);
   };
@@ -79,9 +79,9 @@ __global__ void __launch_bounds__(ScanLayout::kThreads) chunk_segment_scan_kerne
   sm80::cp_async_commit();
   set_transposed(x);
   for (int s = 0; s < int(segs); ++s) {
-    store_floats(p.seg_states + segment_matrix(p, n, s, SegmentLayout::kStart, hv) + v * kHeadDim + c0, x);
+    store_floats(p.seg_states + segment_matrix(p, n, seq, s, SegmentLayout::kStart, hv) + v * kHeadDim + c0, x);
     float q[L::kOwnCols];  // consumed after the product: its latency hides behind it
-    load_floats(p.seg_states + segment_matrix(p, n, s, SegmentLayout::kLocal, hv) + v * kHeadDim + c0, q);
+    load_floats(p.seg_states + segment_matrix(p, n, seq, s, SegmentLayout::kLocal, hv) + v * kHeadDim + c0, q);
     // Buffer (s + 1) % 2 was last read in step s - 1, before that step's barrier below.
     if (s + 1 < segs) prefetch_transition(s + 1);
     sm80::cp_async_commit();
