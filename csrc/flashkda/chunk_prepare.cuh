@@ -345,11 +345,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
         for (int e = 0; e < 8; ++e) gl[i][e] = log_decay_as<GateMode::kSoftplus>(p, gl[i][e], bias[e], A);
     }
+    // Base-2 logs from here on: every exponential below is one exp2_ftz.
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i)
-      if (kSliceTokens * ts + i >= c.len)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) gl[i][e] = 0.f;
+      for (int e = 0; e < 8; ++e) gl[i][e] = kSliceTokens * ts + i < c.len ? gl[i][e] * kLog2e : 0.f;
   }
   // Slice totals; the other slice of this warp by a shuffle, the two-slice sums of every warp
   // through shared memory (ki is free until the element loop).
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     }
   }
   // Pivots: row side h_row, column side h_col (equal unless the channel's sub-chunk is wide).
-  auto small = [&](int a, int e) { return -tau[a][e] <= kMaxSubchunkLogSpan; };
+  auto small = [&](int a, int e) { return -tau[a][e] <= kMaxSubchunkLogSpan * kLog2e; };
   auto h_row = [&](int a, int e) { return small(a, e) ? 0.5f * tau[a][e] : 0.f; };
   auto h_col = [&](int a, int e) { return small(a, e) ? 0.5f * tau[a][e] : tau[a][e]; };
   // Factor rows: ts < kSubChunks writes the diagonal row ts, the next kPairs slices one pair each.
@@ -417,7 +417,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           if (m == a) ha = h_row(m, e);
           if (m == b) tb = tau[m][e], hb = h_col(m, e);
         }
-        f[e] = __expf(ha + between + (tb - hb));
+        f[e] = exp2_ftz(ha + between + (tb - hb));
       }
     }
     store_floats(&s.fac[ts][d0], f);
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   if (ts == 0) {
     float decay[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) decay[e] = __expf(total[e]);
+    for (int e = 0; e < 8; ++e) decay[e] = exp2_ftz(total[e]);
     store_floats(reinterpret_cast<float*>(rec + WorkspaceLayout::kDecay) + d0, decay);
   }
   {
@@ -459,8 +459,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
       for (int a = 0; a < kSubChunks; ++a)
         if (a == sub) narrow[e] = small(a, e), half_tau[e] = 0.5f * tau[a][e];
-      up_row[e] = __expf(before[e] + (narrow[e] ? half_tau[e] : 0.f));  // e^{γ−h} -> e^{Γ}
-      to_end[e] = __expf(after[e] + (narrow[e] ? half_tau[e] : 0.f));   // e^{h−γ} -> e^{Γ_last − Γ}
+      up_row[e] = exp2_ftz(before[e] + (narrow[e] ? half_tau[e] : 0.f));  // e^{γ−h} -> e^{Γ}
+      to_end[e] = exp2_ftz(after[e] + (narrow[e] ? half_tau[e] : 0.f));   // e^{h−γ} -> e^{Γ_last − Γ}
     }
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
@@ -480,8 +480,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           else suf += gl[i2][e];
         }
         const float qh = to_float(xq[e]) * qs[i], kh = to_float(xk[e]) * ks[i];
-        const float x = __expf(narrow[e] ? pre - half_tau[e] : pre);  // e^{γ − h}
-        const float y = __expf(narrow[e] ? suf - half_tau[e] : suf);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
+        const float x = exp2_ftz(narrow[e] ? pre - half_tau[e] : pre);  // e^{γ − h}
+        const float y = exp2_ftz(narrow[e] ? suf - half_tau[e] : suf);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
         vqi[e] = qh * x;
         vki[e] = kh * x;
         vkj[e] = kh * y;

@@ -73,6 +73,16 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
 // Per-token preprocessing (KDA_SPEC steps 3 and 4)
 // ---------------------------------------------------------------------------------------------
 
+// 2^x on the special-function unit, results below 2^-126 flushed to zero (a decay that small is
+// zero for every product it enters). __expf(x) is this of x·log2(e), plus the rescaling that
+// keeps subnormal results: code that works on base-2 logs skips both.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+constexpr float kLog2e = 1.4426950408889634f;
+
 // Fast sigmoid: exp and reciprocal on the special-function unit; exp overflow gives 1/inf = 0.
 __device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
