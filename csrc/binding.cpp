@@ -667,6 +667,8 @@ PYBIND11_MODULE(_C, m) {
         "kernel family for every later call in this process: 0 auto, 80 sm_80 kernels, 90 sm_90 kernels where "
         "they apply");
   m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80 or 90)");
+  m.def("chunk_smem_bytes", &flashkda::chunk_smem_bytes,
+        "dynamic shared memory per block (bytes) that the chunked kernels need (no CUDA call)");
   PyObject* fused_recurrent =
       PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();

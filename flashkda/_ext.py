@@ -112,6 +112,18 @@ if HAS_EXTENSION:
     chunk_fwd_op = torch.ops.flashkda.chunk_fwd.default
     chunk_fwd_eager = _C.chunk_fwd
 
+    _chunk_smem_shortfall: dict = {}
+
+    def chunk_smem_shortfall(index: int):
+        """Why CUDA device ``index`` cannot run the chunked kernels (too little shared memory per
+        block, e.g. sm_86 / sm_89), or None; one properties query per device."""
+        if index not in _chunk_smem_shortfall:
+            need = _C.chunk_smem_bytes()
+            have = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", need)
+            _chunk_smem_shortfall[index] = (None if have >= need else
+                                            f"{have} bytes of shared memory per block (chunked kernels: {need})")
+        return _chunk_smem_shortfall[index]
+
     @torch.library.register_fake("flashkda::chunk_fwd")
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
                         gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, value_split,

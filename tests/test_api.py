@@ -3,6 +3,7 @@
 import contextlib
 import logging
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -410,6 +411,23 @@ def test_kernel_family_switch(monkeypatch):
         with pytest.raises(ValueError, match="kernel family"):
             _ext.set_kernel_family("fast")
     assert _ext.config.kernel_family == before
+
+
+@pytest.mark.skipif(not _ext.HAS_EXTENSION, reason="needs the extension")
+def test_chunk_smem_shortfall(monkeypatch):
+    """Devices with less shared memory per block than the chunked kernels need (sm_86, sm_89: 99 KB)
+    are named as such, so that prefill runs on the token-by-token kernel there."""
+    need = _ext._C.chunk_smem_bytes()
+    assert 100 * 1024 < need <= 227 * 1024
+    for have, fits in ((227 * 1024, True), (need, True), (need - 1, False), (99 * 1024, False)):
+        props = types.SimpleNamespace(shared_memory_per_block_optin=have)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
+        _ext._chunk_smem_shortfall.clear()
+        reason = _ext.chunk_smem_shortfall(0)
+        assert (reason is None) == fits, (have, reason)
+        if not fits:
+            assert f"{have} bytes of shared memory per block" in reason and str(need) in reason
+    _ext._chunk_smem_shortfall.clear()
 
 
 def test_chunk_kernel_reasons_and_alignment():

@@ -169,6 +169,17 @@ def test_auto_segments(monkeypatch, shape, segmented):
     assert rel_err(o2, o1) < 2e-3 and rel_err(s2, s1) < 2e-3
 
 
+def test_smem_shortfall_runs_the_recurrent_kernel(monkeypatch):
+    """A device too small for the chunked kernels (sm_86, sm_89) gets prefill from the token-by-token
+    kernel: no chunked kernel launches (the spy), and the result still meets the oracle."""
+    monkeypatch.setattr(_ext, "chunk_smem_shortfall", lambda index: "99 KB of shared memory per block")
+    kw = make_inputs(lens=[17, 0, 130], H=2, D=128, dtype=torch.bfloat16, device="cuda")
+    _, kernels = _kernels_launched(lambda: flashkda.chunk_kda(**kw, output_final_state=True))
+    assert not any("chunk_" in k for k in kernels), kernels
+    assert any("decode_step" in k or "recurrent" in k for k in kernels), kernels
+    _check(kw)
+
+
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])
 def test_families_agree(gate):
     """The sm_90 family runs the recurrence's products on wgmma, the sm_80 family on mma.sync: the

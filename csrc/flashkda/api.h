@@ -35,5 +35,9 @@ cudaError_t run_chunk_prepare(const ChunkParams& params, cudaStream_t stream);
 template <typename Elem, int kBlockV>
 cudaError_t run_chunk_recurrence(const ChunkParams& params, cudaStream_t stream);
 cudaError_t run_chunk_segment_scan(const ChunkParams& params, cudaStream_t stream);
+// Dynamic shared memory (bytes) per block that the chunked kernels ask for, the largest of
+// chunk_prepare, chunk_recurrence (either value split, both families) and chunk_segment_scan. A
+// device with a smaller opt-in limit per block (sm_86, sm_89: 99 KB) cannot run them.
+int chunk_smem_bytes();
 
 }  // namespace flashkda
