@@ -516,7 +516,7 @@ PyMethodDef fused_recurrent_def = {
 // per SM and spends about the same time per chunk whatever the grid (H200: 1.66 µs at T = 32768,
 // H = 8, and 1.68 µs at T = 8192, H = 16), so a launch costs (chunks per block) × (waves of blocks).
 // Segments of c chunks cost c × (waves of the local pass, which runs twice the blocks, plus waves
-// of the output pass) plus one scan step per segment (about a microsecond, counted as one chunk);
+// of the output pass) plus one scan step per segment (about 2 µs, counted as one chunk);
 // they are taken when that saves at least a sixth. `chunks` is per sequence (the mean with
 // cu_seqlens: lengths live on the device), `chains` the blocks of one whole-chain launch.
 int64_t auto_segment_chunks(int64_t chunks, int64_t chains, int64_t sms) {

@@ -604,7 +604,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       float acc[2][4] = {};
       for (int c = b; c < a; ++c)
         block_product_tf32(acc, amat + a * kSubChunk * kSqStride + c * kSubChunk, kSqStride,
-                             linv + c * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
+                           linv + c * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
       store_block(scr, kScratchStride, acc, 1.f);
       __syncwarp();
       float acc2[2][4] = {};
