@@ -74,7 +74,9 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--splits", default="0,1,2")
-    ap.add_argument("--segments", default="", help="chunks per segment to time as well, 0 for whole chains (FLASHKDA_CHUNK_SEGMENT; the main rows use auto)")
+    ap.add_argument("--segments", default="",
+                    help="chunks per segment to time as well, 0 for whole chains (FLASHKDA_CHUNK_SEGMENT; the "
+                         "main rows use auto)")
     ap.add_argument("--json", help="write the records here (rewritten after each one)")
     args = ap.parse_args()
     common.RESULTS_PATH = args.json
