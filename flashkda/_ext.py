@@ -64,7 +64,8 @@ class Config:
         if segment == "auto":
             segment = "-1"
         elif not segment.isdigit():
-            raise ValueError(f"flashkda: FLASHKDA_CHUNK_SEGMENT must be auto or a number of chunks >= 0, got {segment!r}")
+            raise ValueError(
+                f"flashkda: FLASHKDA_CHUNK_SEGMENT must be auto or a number of chunks >= 0, got {segment!r}")
         family = _kernel_family_name(os.environ.get("FLASHKDA_KERNEL_FAMILY", "auto"), "FLASHKDA_KERNEL_FAMILY")
         return cls(force_reference=_env_flag("FLASHKDA_FORCE_REFERENCE"), debug=_env_flag("FLASHKDA_DEBUG"),
                    chunk_value_split=int(split), chunk_segment=int(segment), kernel_family=family)
