@@ -12,6 +12,10 @@ PREFILL_ROWS = {
 }
 PREFILL_REQUIRED_MS = {"fixed_8k_H96": 1.00, "varlen6_8k_H96": 1.00, "varlen_1024x8_H96": 0.85,
                        "fixed_8k_H64": 0.75, "fixed_8k_H16": 0.45, "fixed_32k_H8": 1.00}
+# Also required on every prefill row: the softplus gate within this factor of the lower-bound time,
+# our GDN no slower than FLA's GDN; on the first row, the sm_80 family no slower than FLA chunk_kda.
+PREFILL_SOFTPLUS_MAX_RATIO = 1.3
+PREFILL_SM80_ROW = "fixed_8k_H96"
 # Time against T for the plot (bench/report.py --plot).
 PREFILL_SWEEP = {f"sweep_T{T}_H{H}": ([T], H) for H in (16, 32, 96) for T in (1024, 2048, 4096, 8192, 16384)}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import report  # noqa: E402
-from cases import DECODE_NS, PREFILL_REQUIRED_MS, PREFILL_ROWS, decode_case  # noqa: E402
+from cases import DECODE_NS, PREFILL_REQUIRED_MS, PREFILL_ROWS, PREFILL_SM80_ROW, decode_case  # noqa: E402
 
 
 def _rec(case, impl, ms, floor=0.1, **extra):
@@ -22,6 +22,17 @@ def test_prefill_table_marks_met_and_missing():
     assert lines[fast].endswith("| yes |") and "2.500" in lines[fast]
     assert lines[slow].endswith("| no |")
     assert all(line.endswith("| — |") for case, line in lines.items() if case not in (fast, slow))
+
+
+def test_prefill_table_checks_the_other_bounds():
+    first, other = list(PREFILL_ROWS)[:2]
+    recs = [_rec(first, "flashkda", 1.0), _rec(first, "flashkda_softplus", 1.25), _rec(first, "flashkda_gdn", 1.7),
+            _rec(first, "fla_chunk_gdn", 1.6), _rec(first, "flashkda_sm80", 1.5), _rec(first, "fla_chunk_kda", 2.6),
+            _rec(other, "flashkda", 1.0), _rec(other, "flashkda_softplus", 1.4)]
+    lines = {line.split(" | ")[0][2:]: line for line in report.prefill_table(recs).splitlines()[2:]}
+    assert first == PREFILL_SM80_ROW
+    assert "softplus 1.25× yes; GDN ≤ FLA GDN no; sm80 ≤ FLA chunk_kda yes" in lines[first]
+    assert "softplus 1.40× no; GDN ≤ FLA GDN —" in lines[other] and "sm80" not in lines[other]
 
 
 def test_decode_table_checks_the_bf16_pool_bound_and_host_overhead():
