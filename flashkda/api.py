@@ -301,7 +301,8 @@ def _chunk_kernel_unsupported(p: _Problem, q) -> Optional[str]:
         return f"head dim {p.K} (chunked kernels: {C.CHUNK_HEAD_DIM})"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"{q.dtype} inputs (chunked kernels: bfloat16, float16)"
-    # Not traceable; under torch.compile the launch check in the binding stands guard.
+    # Not traceable: under torch.compile a device too small for the chunked kernels fails at launch
+    # with the binding's error (call once eagerly, or use the token-by-token kernel there).
     if q.is_cuda and not torch.compiler.is_compiling():
         return _ext.chunk_smem_shortfall(q.get_device())
     return None

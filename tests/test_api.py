@@ -422,12 +422,11 @@ def test_chunk_smem_shortfall(monkeypatch):
     for have, fits in ((227 * 1024, True), (need, True), (need - 1, False), (99 * 1024, False)):
         props = types.SimpleNamespace(shared_memory_per_block_optin=have)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
-        _ext._chunk_smem_shortfall.clear()
+        monkeypatch.setattr(_ext, "_chunk_smem_shortfall", {})  # the real cache stays untouched
         reason = _ext.chunk_smem_shortfall(0)
         assert (reason is None) == fits, (have, reason)
         if not fits:
             assert f"{have} bytes of shared memory per block" in reason and str(need) in reason
-    _ext._chunk_smem_shortfall.clear()
 
 
 def test_chunk_kernel_reasons_and_alignment():

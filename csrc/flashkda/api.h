@@ -37,7 +37,9 @@ cudaError_t run_chunk_recurrence(const ChunkParams& params, cudaStream_t stream)
 cudaError_t run_chunk_segment_scan(const ChunkParams& params, cudaStream_t stream);
 // Dynamic shared memory (bytes) per block that the chunked kernels ask for, the largest of
 // chunk_prepare, chunk_recurrence (either value split, both families) and chunk_segment_scan. A
-// device with a smaller opt-in limit per block (sm_86, sm_89: 99 KB) cannot run them.
+// device with a smaller opt-in limit per block (sm_86, sm_89: 99 KB) cannot run them. The
+// recurrence adds about 1 KB of static shared memory and alignment: 162 KB + 1 KB is the A100's
+// limit, and no GPU has one in between.
 int chunk_smem_bytes();
 
 }  // namespace flashkda

@@ -417,7 +417,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           if (m == a) ha = h_row(m, e);
           if (m == b) tb = tau[m][e], hb = h_col(m, e);
         }
-        f[e] = exp2_ftz(ha + between + (tb - hb));
+        // Not flushed: the row and column operands (each up to 2^58) can undo a factor below 2^-126.
+        f[e] = exp2f(ha + between + (tb - hb));
       }
     }
     store_floats(&s.fac[ts][d0], f);

@@ -73,9 +73,10 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
 // Per-token preprocessing (KDA_SPEC steps 3 and 4)
 // ---------------------------------------------------------------------------------------------
 
-// 2^x on the special-function unit, results below 2^-126 flushed to zero (a decay that small is
-// zero for every product it enters). __expf(x) is this of x·log2(e), plus the rescaling that
-// keeps subnormal results: code that works on base-2 logs skips both.
+// 2^x on the special-function unit, results below 2^-126 flushed to zero. __expf(x) is this of
+// x·log2(e), plus the rescaling that keeps subnormal results: code that works on base-2 logs skips
+// both. Only for factors that no later factor scales back up (a decay that small then contributes
+// nothing); a factor that meets a large one later needs exp2f.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
