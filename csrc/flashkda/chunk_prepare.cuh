@@ -56,6 +56,9 @@ struct PrepareSmem {
   alignas(16) uint8_t kj[kChunk * kHeadDim * 2];  // k̂ e^{h−γ} (column side), OpElem, MatTile
   alignas(16) uint8_t kt[kChunk * kHeadDim * 2];  // k̂ e^{Γ}, Elem, MatTile
   float fac[kSubChunks + kPairs][kHeadDim];       // row factors: diagonal (1, or 0 when wide), pairs
+  // Per sub-chunk and channel: row pivot h (τ/2, or 0 when wide), e^{before + h}, e^{after + h}
+  // (before / after: log decay of the sub-chunks before / after it).
+  float row_pivot[kSubChunks][kHeadDim], to_start[kSubChunks][kHeadDim], to_end[kSubChunks][kHeadDim];
   float qscale[kChunk], kscale[kChunk], beta[kChunk];
   int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
@@ -334,22 +337,31 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         }
       }
     }
+    // Base-2 log decays from here on (every exponential below is one exp2_ftz), zero past the end.
+    // Lower bound: lb·σ(A (g + b))·log2(e) = lb·log2(e) / (1 + 2^{−A·log2(e)·g − A·log2(e)·b}).
     if (p.gate_mode == GateMode::kLowerBound) {
+      const float slope = -A * kLog2e, top = p.lower_bound * kLog2e;
+      float shift[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) shift[e] = slope * bias[e];
 #pragma unroll
       for (int i = 0; i < kSliceTokens; ++i)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) gl[i][e] = log_decay_as<GateMode::kLowerBound>(p, gl[i][e], bias[e], A);
-    } else if (p.gate_mode == GateMode::kSoftplus) {
+        for (int e = 0; e < 8; ++e) {
+          const float d = top * rcp_approx(1.f + exp2_ftz(fmaf(gl[i][e], slope, shift[e])));
+          gl[i][e] = kSliceTokens * ts + i < c.len ? d : 0.f;
+        }
+    } else {
+      const bool softplus = p.gate_mode == GateMode::kSoftplus;
+      const float slope = softplus ? -A * kLog2e : kLog2e;
 #pragma unroll
       for (int i = 0; i < kSliceTokens; ++i)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) gl[i][e] = log_decay_as<GateMode::kSoftplus>(p, gl[i][e], bias[e], A);
+        for (int e = 0; e < 8; ++e) {
+          const float d = slope * (softplus ? softplusf_(gl[i][e] + bias[e]) : gl[i][e]);
+          gl[i][e] = kSliceTokens * ts + i < c.len ? d : 0.f;
+        }
     }
-    // Base-2 logs from here on: every exponential below is one exp2_ftz.
-#pragma unroll
-    for (int i = 0; i < kSliceTokens; ++i)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) gl[i][e] = kSliceTokens * ts + i < c.len ? gl[i][e] * kLog2e : 0.f;
   }
   // Slice totals; the other slice of this warp by a shuffle, the two-slice sums of every warp
   // through shared memory (ki is free until the element loop).
@@ -369,100 +381,79 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     store_floats(&pair[warp * kHeadDim + d0], both);
   }
   __syncthreads();
-  // Per channel: sub-chunk totals τ, this slice's offset within its sub-chunk, pivots, factors.
-  float tau[kSubChunks][8], off[8], later[8];  // off / later: earlier / later slices of this sub-chunk
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    off[e] = second_slice ? other[e] : 0.f;
-    later[e] = second_slice ? 0.f : other[e];
-  }
-#pragma unroll
-  for (int a = 0; a < kSubChunks; ++a) {
-    float v0[8], v1[8];  // the two halves of sub-chunk a
-    load_floats(&pair[(2 * a) * kHeadDim + d0], v0);
-    load_floats(&pair[(2 * a + 1) * kHeadDim + d0], v1);
+  // This slice's offsets within its sub-chunk: γ before its first token (off) and after its last
+  // (later), from the other slice of the warp and the other warp of the sub-chunk.
+  float off[8], later[8];
+  {
+    float v0[8], v1[8];  // the two halves of this sub-chunk
+    load_floats(&pair[(2 * sub) * kHeadDim + d0], v0);
+    load_floats(&pair[(2 * sub + 1) * kHeadDim + d0], v1);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      tau[a][e] = v0[e] + v1[e];
-      if (a == sub) {
-        if (second_half) off[e] += v0[e];
-        else later[e] += v1[e];
-      }
+      off[e] = (second_slice ? other[e] : 0.f) + (second_half ? v0[e] : 0.f);
+      later[e] = (second_slice ? 0.f : other[e]) + (second_half ? 0.f : v1[e]);
     }
   }
-  // Pivots: row side h_row, column side h_col (equal unless the channel's sub-chunk is wide).
-  auto small = [&](int a, int e) { return -tau[a][e] <= kMaxSubchunkLogSpan * kLog2e; };
-  auto h_row = [&](int a, int e) { return small(a, e) ? 0.5f * tau[a][e] : 0.f; };
-  auto h_col = [&](int a, int e) { return small(a, e) ? 0.5f * tau[a][e] : tau[a][e]; };
-  // Factor rows: ts < kSubChunks writes the diagonal row ts, the next kPairs slices one pair each.
-  if (ts < kSubChunks + kPairs) {
-    float f[8];
-    if (ts < kSubChunks) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        f[e] = 0.f;
-#pragma unroll
-        for (int a = 0; a < kSubChunks; ++a)
-          if (a == ts) f[e] = small(a, e) ? 1.f : 0.f;
-      }
-    } else {
-      int a = 1, b = ts - kSubChunks;  // pair_index(a, b) = ts - kSubChunks
-      while (b >= a) b -= a++;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float between = 0.f, ha = 0.f, tb = 0.f, hb = 0.f;
-#pragma unroll
-        for (int m = 0; m < kSubChunks; ++m) {
-          if (m > b && m < a) between += tau[m][e];
-          if (m == a) ha = h_row(m, e);
-          if (m == b) tb = tau[m][e], hb = h_col(m, e);
-        }
-        // Not flushed: the row and column operands (each up to 2^58) can undo a factor below 2^-126.
-        f[e] = exp2f(ha + between + (tb - hb));
-      }
-    }
-    store_floats(&s.fac[ts][d0], f);
-  }
-  float before[8], after[8], total[8];  // sub-chunks before / after this one, all
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    before[e] = after[e] = total[e] = 0.f;
+  // Per channel, once (two threads per channel, `part` splitting the exponentials): sub-chunk
+  // totals τ, pivots, the row factors of the A / M products, the chunk decay, and per sub-chunk the
+  // tables that the element loop reads.
+  {
+    const int d = tid % kHeadDim, part = tid / kHeadDim;
+    static_assert(kPrepareThreads == 2 * kHeadDim, "two threads per channel");
+    float tau[kSubChunks];
+    bool small[kSubChunks];
 #pragma unroll
     for (int a = 0; a < kSubChunks; ++a) {
-      if (a < sub) before[e] += tau[a][e];
-      if (a > sub) after[e] += tau[a][e];
-      total[e] += tau[a][e];
+      tau[a] = pair[(2 * a) * kHeadDim + d] + pair[(2 * a + 1) * kHeadDim + d];
+      small[a] = -tau[a] <= kMaxSubchunkLogSpan * kLog2e;
     }
-  }
-  if (ts == 0) {
-    float decay[8];
+    // Pivots: row side h_row, column side h_col (equal unless the channel's sub-chunk is wide).
+    auto h_row = [&](int a) { return small[a] ? 0.5f * tau[a] : 0.f; };
+    auto h_col = [&](int a) { return small[a] ? 0.5f * tau[a] : tau[a]; };
+    float before = 0.f;  // τ of the sub-chunks before a
 #pragma unroll
-    for (int e = 0; e < 8; ++e) decay[e] = exp2_ftz(total[e]);
-    store_floats(reinterpret_cast<float*>(rec + WorkspaceLayout::kDecay) + d0, decay);
-  }
-  {
+    for (int a = 0; a < kSubChunks; ++a) {
+      if ((a >> 1) == part) {  // sub-chunk tables: part 0 for sub-chunks 0, 1; part 1 for 2, 3
+        float after = 0.f;
+#pragma unroll
+        for (int m = a + 1; m < kSubChunks; ++m) after += tau[m];
+        s.row_pivot[a][d] = h_row(a);
+        s.to_start[a][d] = exp2_ftz(before + h_row(a));  // e^{γ−h} -> e^{Γ}
+        s.to_end[a][d] = exp2_ftz(after + h_row(a));     // e^{h−γ} -> e^{Γ_last − Γ}
+      }
+      before += tau[a];
+    }
+    if (part == 0) {
+#pragma unroll
+      for (int a = 0; a < kSubChunks; ++a) s.fac[a][d] = small[a] ? 1.f : 0.f;
+    } else {
+      reinterpret_cast<float*>(rec + WorkspaceLayout::kDecay)[d] = exp2_ftz(before);
+    }
+#pragma unroll
+    for (int a = 1; a < kSubChunks; ++a)
+#pragma unroll
+      for (int b = 0; b < a; ++b) {
+        if ((pair_index(a, b) & 1) != part) continue;
+        float between = 0.f;
+#pragma unroll
+        for (int m = b + 1; m < a; ++m) between += tau[m];
+        // Not flushed: the row and column operands (each up to 2^58) can undo a factor below 2^-126.
+        s.fac[kSubChunks + pair_index(a, b)][d] = exp2f(h_row(a) + between + (tau[b] - h_col(b)));
+      }
     int wide = 0;  // bit a: some channel of sub-chunk a is wide
 #pragma unroll
-    for (int a = 0; a < kSubChunks; ++a)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) wide |= small(a, e) ? 0 : 1 << a;
+    for (int a = 0; a < kSubChunks; ++a) wide |= small[a] ? 0 : 1 << a;
     wide = __reduce_or_sync(0xffffffffu, wide);
     if (lane == 0 && wide != 0) atomicOr(&s.wide_mask, wide);
-    __syncthreads();  // also: every read of pair and of the raw gate is done
   }
+  __syncthreads();  // also: every read of pair and of the raw gate is done
   const int wide_mask = s.wide_mask;
   {
-    // Pivot of this sub-chunk, and whether the channel is narrow (pivot τ/2) or wide (0 / τ).
-    float half_tau[8], up_row[8], to_end[8];
-    bool narrow[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-#pragma unroll
-      for (int a = 0; a < kSubChunks; ++a)
-        if (a == sub) narrow[e] = small(a, e), half_tau[e] = 0.5f * tau[a][e];
-      up_row[e] = exp2_ftz(before[e] + (narrow[e] ? half_tau[e] : 0.f));  // e^{γ−h} -> e^{Γ}
-      to_end[e] = exp2_ftz(after[e] + (narrow[e] ? half_tau[e] : 0.f));   // e^{h−γ} -> e^{Γ_last − Γ}
-    }
+    // This sub-chunk's pivot (τ/2 for a narrow channel, 0 for a wide one) and rescaling factors.
+    float h[8], up_row[8], to_end[8];
+    load_floats(&s.row_pivot[sub][d0], h);
+    load_floats(&s.to_start[sub][d0], up_row);
+    load_floats(&s.to_end[sub][d0], to_end);
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
       const int t = kSliceTokens * ts + i;
@@ -481,8 +472,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           else suf += gl[i2][e];
         }
         const float qh = to_float(xq[e]) * qs[i], kh = to_float(xk[e]) * ks[i];
-        const float x = exp2_ftz(narrow[e] ? pre - half_tau[e] : pre);  // e^{γ − h}
-        const float y = exp2_ftz(narrow[e] ? suf - half_tau[e] : suf);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
+        const float x = exp2_ftz(pre - h[e]);  // e^{γ − h}
+        const float y = exp2_ftz(suf - h[e]);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
         vqi[e] = qh * x;
         vki[e] = kh * x;
         vkj[e] = kh * y;

@@ -84,6 +84,13 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 }
 constexpr float kLog2e = 1.4426950408889634f;
 
+// 1/x on the special-function unit (about 1 ulp; 1/inf = 0), without the IEEE division's fixups.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Fast sigmoid: exp and reciprocal on the special-function unit; exp overflow gives 1/inf = 0.
 __device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
