@@ -56,21 +56,20 @@ struct PrepareSmem {
   alignas(16) uint8_t kj[kChunk * kHeadDim * 2];  // k̂ e^{h−γ} (column side), OpElem, MatTile
   alignas(16) uint8_t kt[kChunk * kHeadDim * 2];  // k̂ e^{Γ}, Elem, MatTile
   float fac[kSubChunks + kPairs][kHeadDim];       // row factors: diagonal (1, or 0 when wide), pairs
-  // Per sub-chunk and channel: row pivot h (τ/2, or 0 when wide), e^{before + h}, e^{after + h}
-  // (before / after: log decay of the sub-chunks before / after it).
-  float row_pivot[kSubChunks][kHeadDim], to_start[kSubChunks][kHeadDim], to_end[kSubChunks][kHeadDim];
+  // Per sub-chunk and channel (SubTable): row pivot h (τ/2, or 0 when wide), e^{before + h},
+  // e^{after + h} (before / after: log decay of the sub-chunks before / after it).
+  float sub_table[3][kSubChunks][kHeadDim];
   float qscale[kChunk], kscale[kChunk], beta[kChunk];
   int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
 static_assert(sizeof(float) * kChunk * kF32Stride >= kChunk * kHeadDim * 4, "raw fp32 gate fits in qi");
 static_assert(kSubChunks == 4, "the phase-2 job list and the inverse assume four sub-chunks");
-// Aliases, valid after the A / M products:
-//   qi: amat (f32 [kChunk][kSqStride]) then tinv_s (SqTile)
-//   ki: linv (f32 [kChunk][kSqStride]) then mqk_s (SqTile)
-//   kj: scratch (f32, [kSubChunk][kScratchStride] per warp) during the inverse, then w_s (MatTile)
+// Aliases after the A / M products (see phase 2): amat and linv in ki, tinv_s in qi, the inverse's
+// scratch in the sub-chunk tables, w_s in kj.
+enum SubTable : int { kRowPivot = 0, kToStart = 1, kToEnd = 2 };
 constexpr int kAliasSqF32Bytes = kChunk * kSqStride * 4;
-static_assert(kAliasSqF32Bytes + kChunk * kChunk * 2 <= int(sizeof(float)) * kChunk * kF32Stride, "alias fits");
-static_assert(kAliasSqF32Bytes % 16 == 0, "b16 tile after the fp32 matrix stays 16-byte aligned");
+static_assert(2 * kAliasSqF32Bytes <= int(sizeof(float)) * kChunk * kF32Stride, "amat and linv fit in ki");
+static_assert(kAliasSqF32Bytes % 16 == 0, "linv stays 16-byte aligned");
 
 template <typename Elem>
 __device__ __forceinline__ void store_elem(uint8_t* base, uint32_t off, float x) {
@@ -84,11 +83,12 @@ __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
                     sm80::pack2<Elem>(x[6], x[7]));
 }
 
-// Exact diagonal block of sub-chunk a (one warp): A and M entries from products of per-token
-// decays. Lane owns channels 4·lane .. 4·lane+3.
+// Exact diagonal block of sub-chunk a (one warp): A entries (into amat, shared memory) and the
+// whole 16x16 diagonal block of M (into mqk, the record) from products of per-token decays. Lane
+// owns channels 4·lane .. 4·lane+3.
 template <typename Elem>
 __device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, int hv, int h, int a,
-                                     PrepareSmem& s, float* amat, uint8_t* mqk_s) {
+                                     PrepareSmem& s, float* amat, uint8_t* mqk) {
   const int lane = threadIdx.x & 31;
   const Elem* qb = static_cast<const Elem*>(p.q) + c.batch * p.q_batch_stride + h * p.q_head_stride;
   const Elem* kb = static_cast<const Elem*>(p.k) + c.batch * p.k_batch_stride + h * p.k_head_stride;
@@ -136,15 +136,21 @@ __device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, i
       if (lane == 0) {
         const int row = a * kSubChunk + i, col = a * kSubChunk + j;
         amat[row * kSqStride + col] = j < i ? sa * s.beta[t] : 0.f;
-        store_elem<Elem>(mqk_s, SqTile::offset(row, col), sm);
+        store_elem<Elem>(mqk, SqTile::offset(row, col), sm);
       }
     }
+  }
+  for (int e = lane; e < kSubChunk * kSubChunk; e += 32) {  // the block's upper triangle of M is zero
+    const int i = e / kSubChunk, j = e % kSubChunk;
+    if (j > i) store_elem<Elem>(mqk, SqTile::offset(a * kSubChunk + i, a * kSubChunk + j), 0.f);
   }
 }
 
 // Row stride (floats) of a warp's 16x16 scratch block in the off-diagonal inverse: the B-fragment
 // reads (rows t, t+4; columns g) then hit 32 different banks.
 constexpr int kScratchStride = 24;
+static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= int(sizeof(PrepareSmem::sub_table)),
+              "the inverse's scratch fits in the sub-chunk tables");
 
 // Operands of the off-diagonal inverse products: tf32 (10-bit mantissa, rounded to nearest). T is
 // rounded to the 16-bit input type for the record right after, so a 3xTF32 split (fp32 accuracy,
@@ -193,16 +199,51 @@ __device__ __forceinline__ void store_block(float* dst, int stride, const float 
     for (int e = 0; e < 4; ++e) dst[(g8 + 8 * (e >> 1)) * stride + 8 * nt + 2 * t4 + (e & 1)] = sign * acc[nt][e];
 }
 
-// Phase 2 work list: the ten blocks (a, b), b <= a, of A and of M, spread over four warps each
-// (warps 0-3: A, warps 4-7: M) so that every warp runs two or three blocks.
-constexpr int kBlockJobs = 3;
-__device__ __forceinline__ void block_job(int w, int slot, int& a, int& b) {
-  // One byte per job, (a << 4) | b, 0xff for none.
-  // w = 0: (3,0) (3,1) (0,0)   w = 1: (3,2) (3,3) (1,1)   w = 2: (2,0) (2,1) -   w = 3: (2,2) (1,0) -
-  const uint32_t jobs = w == 0 ? 0x003130u : w == 1 ? 0x113332u : w == 2 ? 0xff2120u : 0xff1022u;
+// Phase 2 work list: the ten blocks (a, b), b <= a, of A and of M. A is on the critical path (the
+// inverse waits for it): warps 0-4 run two blocks each. M is only stored, so warps 5-7 run three or
+// four blocks each while the inverse runs. One byte per job, (a << 4) | b, 0xff for none.
+constexpr int kAWarps = 5, kMWarps = kPrepareThreads / 32 - kAWarps;
+constexpr int kAJobs = 2, kMJobs = 4;
+__device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
+  static_assert(kPrepareThreads / 32 == 8, "eight warps");
+  const uint32_t jobs = warp == 0 ? 0xffff0030u : warp == 1 ? 0xffff1131u : warp == 2 ? 0xffff2232u
+                      : warp == 3 ? 0xffff1033u : warp == 4 ? 0xffff2120u  // A
+                      : warp == 5 ? 0x11003130u : warp == 6 ? 0xff103332u : 0xff222120u;  // M
   const uint32_t job = (jobs >> (8 * slot)) & 0xffu;
   a = job == 0xffu ? -1 : int(job >> 4);
   b = int(job & 0xfu);
+}
+
+// Named barriers of one warp group (bar.sync id, threads); id 0 is __syncthreads.
+__device__ __forceinline__ void group_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+constexpr int kABarrier = 1, kMBarrier = 2;
+
+// acc (16x16 block (a, b)) += rows[a] · diag(f) · kjᵀ[b] over the head dim; rows fp32, kj OpElem.
+__device__ __forceinline__ void row_block_product(float (&acc)[2][4], const float* rows, const float* f,
+                                                  uint32_t kj_base, int a, int b) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+  const int r0 = a * kSubChunk + g8, r1 = r0 + 8;
+#pragma unroll
+  for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+    const int dd = 16 * kd + 2 * t4;
+    const float2 f01 = *reinterpret_cast<const float2*>(&f[dd]);
+    const float2 f23 = *reinterpret_cast<const float2*>(&f[dd + 8]);
+    const float2 x00 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd]);
+    const float2 x10 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd]);
+    const float2 x01 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd + 8]);
+    const float2 x11 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd + 8]);
+    const uint32_t af[4] = {sm80::pack2<OpElem>(x00.x * f01.x, x00.y * f01.y),
+                            sm80::pack2<OpElem>(x10.x * f01.x, x10.y * f01.y),
+                            sm80::pack2<OpElem>(x01.x * f23.x, x01.y * f23.y),
+                            sm80::pack2<OpElem>(x11.x * f23.x, x11.y * f23.y)};
+    uint32_t bf[4];
+    sm80::ldmatrix_x4(bf, kj_base + MatTile::chunk_offset(b * kSubChunk + (lane & 7) + (lane >> 4) * 8,
+                                                          2 * kd + ((lane >> 3) & 1)));
+    sm80::mma_16816<OpElem>(acc[0], af, bf[0], bf[1]);
+    sm80::mma_16816<OpElem>(acc[1], af, bf[2], bf[3]);
+  }
 }
 
 template <typename Elem>
@@ -417,9 +458,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         float after = 0.f;
 #pragma unroll
         for (int m = a + 1; m < kSubChunks; ++m) after += tau[m];
-        s.row_pivot[a][d] = h_row(a);
-        s.to_start[a][d] = exp2_ftz(before + h_row(a));  // e^{γ−h} -> e^{Γ}
-        s.to_end[a][d] = exp2_ftz(after + h_row(a));     // e^{h−γ} -> e^{Γ_last − Γ}
+        s.sub_table[kRowPivot][a][d] = h_row(a);
+        s.sub_table[kToStart][a][d] = exp2_ftz(before + h_row(a));  // e^{γ−h} -> e^{Γ}
+        s.sub_table[kToEnd][a][d] = exp2_ftz(after + h_row(a));     // e^{h−γ} -> e^{Γ_last − Γ}
       }
       before += tau[a];
     }
@@ -451,9 +492,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   {
     // This sub-chunk's pivot (τ/2 for a narrow channel, 0 for a wide one) and rescaling factors.
     float h[8], up_row[8], to_end[8];
-    load_floats(&s.row_pivot[sub][d0], h);
-    load_floats(&s.to_start[sub][d0], up_row);
-    load_floats(&s.to_end[sub][d0], to_end);
+    load_floats(&s.sub_table[kRowPivot][sub][d0], h);
+    load_floats(&s.sub_table[kToStart][sub][d0], up_row);
+    load_floats(&s.sub_table[kToEnd][sub][d0], to_end);
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
       const int t = kSliceTokens * ts + i;
@@ -492,117 +533,110 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   __syncthreads();
 
   // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
-  const bool is_m = warp >= kSubChunks;
-  const int wq = warp % kSubChunks;
-  float acc[kBlockJobs][2][4];
-#pragma unroll
-  for (int j = 0; j < kBlockJobs; ++j)
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
-  {
-    const float* rows = is_m ? s.qi : s.ki;
-    const uint32_t kj_base = sm80::smem_u32(s.kj);
-#pragma unroll
-    for (int j = 0; j < kBlockJobs; ++j) {
-      int a, b;
-      block_job(wq, j, a, b);
-      if (a < 0 || (b == a && (wide_mask >> a & 1))) continue;
-      const float* f = s.fac[b == a ? a : kSubChunks + pair_index(a, b)];
-      const int r0 = a * kSubChunk + g8, r1 = r0 + 8;
-#pragma unroll
-      for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-        const int dd = 16 * kd + 2 * t4;
-        const float2 f01 = *reinterpret_cast<const float2*>(&f[dd]);
-        const float2 f23 = *reinterpret_cast<const float2*>(&f[dd + 8]);
-        const float2 x00 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd]);
-        const float2 x10 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd]);
-        const float2 x01 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd + 8]);
-        const float2 x11 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd + 8]);
-        const uint32_t af[4] = {sm80::pack2<OpElem>(x00.x * f01.x, x00.y * f01.y),
-                                sm80::pack2<OpElem>(x10.x * f01.x, x10.y * f01.y),
-                                sm80::pack2<OpElem>(x01.x * f23.x, x01.y * f23.y),
-                                sm80::pack2<OpElem>(x11.x * f23.x, x11.y * f23.y)};
-        uint32_t bf[4];
-        sm80::ldmatrix_x4(bf, kj_base + MatTile::chunk_offset(b * kSubChunk + (lane & 7) + (lane >> 4) * 8,
-                                                              2 * kd + ((lane >> 3) & 1)));
-        sm80::mma_16816<OpElem>(acc[j][0], af, bf[0], bf[1]);
-        sm80::mma_16816<OpElem>(acc[j][1], af, bf[2], bf[3]);
-      }
-    }
-  }
-  __syncthreads();  // qi / ki / kj are dead from here on
-
-  float* amat = s.qi;
-  uint8_t* tinv_s = reinterpret_cast<uint8_t*>(s.qi) + kAliasSqF32Bytes;
-  float* linv = s.ki;
-  uint8_t* mqk_s = reinterpret_cast<uint8_t*>(s.ki) + kAliasSqF32Bytes;
-  float* scratch = reinterpret_cast<float*>(s.kj);
+  // Two warp groups with their own barriers: A (warps 0-4) goes on to the inverse, M (warps 5-7)
+  // writes its blocks straight to the record meanwhile. Shared memory from here on:
+  //   ki (A rows, read by the A group only): amat (f32 [kChunk][kSqStride]), then linv after it
+  //   qi (M rows, read by the M group only): tinv_s (SqTile), after the full barrier
+  //   sub_table (dead): scratch of the off-diagonal inverse
+  //   kj (column operand of both groups): w_s (MatTile), after the full barrier
+  float* amat = s.ki;
+  float* linv = s.ki + kAliasSqF32Bytes / 4;
+  uint8_t* tinv_s = reinterpret_cast<uint8_t*>(s.qi);
+  float* scratch = &s.sub_table[0][0][0];
   uint8_t* w_s = s.kj;
-  // M's blocks above the diagonal are zero (the recurrence multiplies the whole matrix); A's are
-  // never read. Then each job writes its block (A masked strictly, M with the diagonal).
-  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
-    const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
-    if (ch * 8 / kSubChunk > i / kSubChunk) *reinterpret_cast<uint4*>(mqk_s + SqTile::chunk_offset(i, ch)) = uint4{};
-  }
+  uint8_t* mqk_rec = rec + WorkspaceLayout::kMqk;
+  const uint32_t kj_base = sm80::smem_u32(s.kj);
+  if (warp < kAWarps) {
+    float acc[kAJobs][2][4];
 #pragma unroll
-  for (int jb = 0; jb < kBlockJobs; ++jb) {
-    int a, b;
-    block_job(wq, jb, a, b);
-    if (a < 0) continue;
+    for (int j = 0; j < kAJobs; ++j) {
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = a * kSubChunk + g8 + 8 * hh, j = b * kSubChunk + 8 * n + 2 * t4;
-        const float x0 = acc[jb][n][2 * hh], x1 = acc[jb][n][2 * hh + 1];
-        if (is_m) {
-          *reinterpret_cast<uint32_t*>(mqk_s + SqTile::offset(i, j)) =
-              sm80::pack2<Elem>(j <= i ? x0 : 0.f, j + 1 <= i ? x1 : 0.f);
-        } else {
-          amat[i * kSqStride + j] = j < i ? x0 * s.beta[i] : 0.f;
-          amat[i * kSqStride + j + 1] = j + 1 < i ? x1 * s.beta[i] : 0.f;
-        }
-      }
-  }
-  __syncthreads();
-  if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
-    if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_s);
-    __syncthreads();
-  }
-
-  // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
-  if (warp < kSubChunks && lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
-    const int a = warp, j = lane, base = a * kSubChunk;
-    float x[kSubChunk];
-#pragma unroll
-    for (int i = 0; i < kSubChunk; ++i) {
-      float accv = i == j ? 1.f : 0.f;
-#pragma unroll
-      for (int l = 0; l < i; ++l) accv -= amat[(base + i) * kSqStride + base + l] * x[l];
-      x[i] = accv;
-      linv[(base + i) * kSqStride + base + j] = accv;
+        for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
+      int a, b;
+      block_job(warp, j, a, b);
+      if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes it
+      row_block_product(acc[j], s.ki, s.fac[b == a ? a : kSubChunks + pair_index(a, b)], kj_base, a, b);
     }
-  }
-  __syncthreads();
-  // Off-diagonal blocks, one warp per block column b (columns are independent):
-  //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
-  // as 16x16x16 products on the tf32 tensor cores.
-  if (warp < kSubChunks - 1) {
-    const int b = warp;
-    float* scr = scratch + warp * kSubChunk * kScratchStride;
-    for (int a = b + 1; a < kSubChunks; ++a) {
+    group_sync(kABarrier, 32 * kAWarps);  // the A rows (ki) are dead
+#pragma unroll
+    for (int j = 0; j < kAJobs; ++j) {
+      int a, b;
+      block_job(warp, j, a, b);
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
+          const float bi = s.beta[i];
+          amat[i * kSqStride + jc] = jc < i ? acc[j][n][2 * hh] * bi : 0.f;
+          amat[i * kSqStride + jc + 1] = jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f;
+        }
+    }
+    group_sync(kABarrier, 32 * kAWarps);
+    if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
+      if (warp < kSubChunks && (wide_mask >> warp & 1))
+        exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_rec);
+      group_sync(kABarrier, 32 * kAWarps);
+    }
+
+    // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 ------------------------------------
+    if (warp < kSubChunks && lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
+      const int a = warp, j = lane, base = a * kSubChunk;
+      float x[kSubChunk];
+#pragma unroll
+      for (int i = 0; i < kSubChunk; ++i) {
+        float accv = i == j ? 1.f : 0.f;
+#pragma unroll
+        for (int l = 0; l < i; ++l) accv -= amat[(base + i) * kSqStride + base + l] * x[l];
+        x[i] = accv;
+        linv[(base + i) * kSqStride + base + j] = accv;
+      }
+    }
+    group_sync(kABarrier, 32 * kAWarps);
+    // Off-diagonal blocks, one warp per block column b (columns are independent):
+    //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
+    // as 16x16x16 products on the tf32 tensor cores.
+    if (warp < kSubChunks - 1) {
+      const int b = warp;
+      float* scr = scratch + warp * kSubChunk * kScratchStride;
+      for (int a = b + 1; a < kSubChunks; ++a) {
+        float acc2[2][4] = {};
+        for (int cc = b; cc < a; ++cc)
+          block_product_tf32(acc2, amat + a * kSubChunk * kSqStride + cc * kSubChunk, kSqStride,
+                             linv + cc * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
+        store_block(scr, kScratchStride, acc2, 1.f);
+        __syncwarp();
+        float acc3[2][4] = {};
+        block_product_tf32(acc3, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
+        store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc3, -1.f);
+        __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
+      }
+    }
+  } else {
+    // M: blocks on and below the diagonal (diagonal ones masked to j <= i), zeros above.
+    const int mt = tid - 32 * kAWarps;
+    for (int e = mt; e < kChunk * (kChunk / 8); e += 32 * kMWarps) {
+      const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
+      if (ch * 8 / kSubChunk > i / kSubChunk)
+        *reinterpret_cast<uint4*>(mqk_rec + SqTile::chunk_offset(i, ch)) = uint4{};
+    }
+#pragma unroll
+    for (int j = 0; j < kMJobs; ++j) {
+      int a, b;
+      block_job(warp, j, a, b);
+      if (a < 0 || (b == a && (wide_mask >> a & 1))) continue;  // none, or exact_diagonal_block's
       float acc[2][4] = {};
-      for (int c = b; c < a; ++c)
-        block_product_tf32(acc, amat + a * kSubChunk * kSqStride + c * kSubChunk, kSqStride,
-                           linv + c * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
-      store_block(scr, kScratchStride, acc, 1.f);
-      __syncwarp();
-      float acc2[2][4] = {};
-      block_product_tf32(acc2, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
-      store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc2, -1.f);
-      __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
+      row_block_product(acc, s.qi, s.fac[b == a ? a : kSubChunks + pair_index(a, b)], kj_base, a, b);
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
+          *reinterpret_cast<uint32_t*>(mqk_rec + SqTile::offset(i, jc)) =
+              sm80::pack2<Elem>(jc <= i ? acc[n][2 * hh] : 0.f, jc + 1 <= i ? acc[n][2 * hh + 1] : 0.f);
+        }
     }
   }
   __syncthreads();
@@ -621,47 +655,49 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   __syncthreads();
 
-  // ---- Phase 4: w = T (k e^{Γ}); warp w: rows of sub-chunk w % 4, key columns half w / 4 ------
+  // ---- Phase 4: w = T (k e^{Γ}) --------------------------------------------------------------
+  // Warp w: key columns 32 (w % 4) .. +31 of row blocks {3, 0} (w < 4) or {2, 1}: row block a
+  // takes a + 1 products (T is lower triangular), so every warp runs five.
   {
-    const int a = wq, half = warp / kSubChunks;
-    constexpr int kTiles = kHeadDim / 16;  // n-tiles of 8 per half
-    float accw[kTiles][4];
-#pragma unroll
-    for (int n = 0; n < kTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) accw[n][e] = 0.f;
+    const int quarter = warp % 4, pairing = warp / 4;
     const uint32_t t_base = sm80::smem_u32(tinv_s), kt_base = sm80::smem_u32(s.kt);
+    static_assert(kSubChunks == 4 && kPrepareThreads == 256, "phase 4 splits four row blocks over eight warps");
 #pragma unroll
-    for (int kc = 0; kc < kSubChunks; ++kc) {
-      if (kc > a) break;  // T is lower triangular
-      uint32_t af[4];
-      sm80::ldmatrix_x4(af, t_base + SqTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                          2 * kc + (lane >> 4)));
+    for (int r = 0; r < 2; ++r) {
+      const int a = r == 0 ? kSubChunks - 1 - pairing : pairing;
+      float accw[4][4];
 #pragma unroll
-      for (int dp = 0; dp < kTiles / 2; ++dp) {
-        uint32_t bf[4];
-        sm80::ldmatrix_x4_trans(bf, kt_base + MatTile::chunk_offset(kc * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                    half * kTiles + 2 * dp + (lane >> 4)));
-        sm80::mma_16816<Elem>(accw[2 * dp], af, bf[0], bf[1]);
-        sm80::mma_16816<Elem>(accw[2 * dp + 1], af, bf[2], bf[3]);
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) accw[n][e] = 0.f;
+      for (int kc = 0; kc <= a; ++kc) {
+        uint32_t af[4];
+        sm80::ldmatrix_x4(af, t_base + SqTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                            2 * kc + (lane >> 4)));
+#pragma unroll
+        for (int dp = 0; dp < 2; ++dp) {
+          uint32_t bf[4];
+          sm80::ldmatrix_x4_trans(bf, kt_base + MatTile::chunk_offset(kc * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                      4 * quarter + 2 * dp + (lane >> 4)));
+          sm80::mma_16816<Elem>(accw[2 * dp], af, bf[0], bf[1]);
+          sm80::mma_16816<Elem>(accw[2 * dp + 1], af, bf[2], bf[3]);
+        }
       }
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = a * kSubChunk + g8 + 8 * hh, col = 32 * quarter + 8 * n + 2 * t4;
+          *reinterpret_cast<uint32_t*>(w_s + MatTile::offset(row, col)) =
+              sm80::pack2<Elem>(accw[n][2 * hh], accw[n][2 * hh + 1]);
+        }
     }
-#pragma unroll
-    for (int n = 0; n < kTiles; ++n)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = a * kSubChunk + g8 + 8 * hh, col = half * (kHeadDim / 2) + 8 * n + 2 * t4;
-        *reinterpret_cast<uint32_t*>(w_s + MatTile::offset(row, col)) =
-            sm80::pack2<Elem>(accw[n][2 * hh], accw[n][2 * hh + 1]);
-      }
   }
   __syncthreads();
 
-  // ---- Phase 5: copy w and mqk to the record (16-byte stores; same swizzled layout) ---------
+  // ---- Phase 5: copy w to the record (16-byte stores; same swizzled layout) ------------------
   for (int e = tid; e < kChunk * kHeadDim * 2 / 16; e += kPrepareThreads)
     reinterpret_cast<uint4*>(rec + WorkspaceLayout::kW)[e] = reinterpret_cast<const uint4*>(w_s)[e];
-  for (int e = tid; e < kChunk * kChunk * 2 / 16; e += kPrepareThreads)
-    reinterpret_cast<uint4*>(rec + WorkspaceLayout::kMqk)[e] = reinterpret_cast<const uint4*>(mqk_s)[e];
 }
 
 template <typename Elem>
