@@ -55,7 +55,7 @@ struct PrepareSmem {
   float ki[kChunk * kF32Stride];   // k̂ e^{γ−h}, fp32
   alignas(16) uint8_t kj[kChunk * kHeadDim * 2];  // k̂ e^{h−γ} (column side), OpElem, MatTile
   alignas(16) uint8_t kt[kChunk * kHeadDim * 2];  // k̂ e^{Γ}, Elem, MatTile
-  float fac[kSubChunks + kPairs][kHeadDim];       // row factors: diagonal (1, or 0 when wide), pairs
+  float fac[kPairs][kHeadDim];                    // row factors of the off-diagonal blocks (a, b)
   // Per sub-chunk and channel (SubTable): row pivot h (τ/2, or 0 when wide), e^{before + h},
   // e^{after + h} (before / after: log decay of the sub-chunks before / after it).
   float sub_table[3][kSubChunks][kHeadDim];
@@ -214,13 +214,17 @@ __device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
   b = int(job & 0xfu);
 }
 
-// Named barriers of one warp group (bar.sync id, threads); id 0 is __syncthreads.
+// Named barrier of one warp group (id, threads); id 0 is __syncthreads. The warp reconverges
+// first (some callers leave a lane-divergent branch just before).
 __device__ __forceinline__ void group_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  __syncwarp();
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-constexpr int kABarrier = 1, kMBarrier = 2;
+constexpr int kABarrier = 1;
 
 // acc (16x16 block (a, b)) += rows[a] · diag(f) · kjᵀ[b] over the head dim; rows fp32, kj OpElem.
+// kScaled false: f is 1 (a narrow diagonal block) and is not read.
+template <bool kScaled>
 __device__ __forceinline__ void row_block_product(float (&acc)[2][4], const float* rows, const float* f,
                                                   uint32_t kj_base, int a, int b) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
@@ -228,8 +232,8 @@ __device__ __forceinline__ void row_block_product(float (&acc)[2][4], const floa
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
     const int dd = 16 * kd + 2 * t4;
-    const float2 f01 = *reinterpret_cast<const float2*>(&f[dd]);
-    const float2 f23 = *reinterpret_cast<const float2*>(&f[dd + 8]);
+    const float2 f01 = kScaled ? *reinterpret_cast<const float2*>(&f[dd]) : make_float2(1.f, 1.f);
+    const float2 f23 = kScaled ? *reinterpret_cast<const float2*>(&f[dd + 8]) : make_float2(1.f, 1.f);
     const float2 x00 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd]);
     const float2 x10 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd]);
     const float2 x01 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd + 8]);
@@ -392,16 +396,21 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           const float d = top * rcp_approx(1.f + exp2_ftz(fmaf(gl[i][e], slope, shift[e])));
           gl[i][e] = kSliceTokens * ts + i < c.len ? d : 0.f;
         }
-    } else {
-      const bool softplus = p.gate_mode == GateMode::kSoftplus;
-      const float slope = softplus ? -A * kLog2e : kLog2e;
+    } else if (p.gate_mode == GateMode::kSoftplus) {
+      // −A·softplus(x)·log2(e), softplus(x)·log2(e) = max(x', 0) + log2(1 + 2^{−|x'|}), x' = x·log2(e).
 #pragma unroll
       for (int i = 0; i < kSliceTokens; ++i)
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          const float d = slope * (softplus ? softplusf_(gl[i][e] + bias[e]) : gl[i][e]);
+          const float x = (gl[i][e] + bias[e]) * kLog2e;
+          const float d = -A * (fmaxf(x, 0.f) + log2_approx(1.f + exp2_ftz(-fabsf(x))));
           gl[i][e] = kSliceTokens * ts + i < c.len ? d : 0.f;
         }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kSliceTokens; ++i)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) gl[i][e] = kSliceTokens * ts + i < c.len ? gl[i][e] * kLog2e : 0.f;
     }
   }
   // Slice totals; the other slice of this warp by a shuffle, the two-slice sums of every warp
@@ -464,12 +473,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       }
       before += tau[a];
     }
-    if (part == 0) {
-#pragma unroll
-      for (int a = 0; a < kSubChunks; ++a) s.fac[a][d] = small[a] ? 1.f : 0.f;
-    } else {
-      reinterpret_cast<float*>(rec + WorkspaceLayout::kDecay)[d] = exp2_ftz(before);
-    }
+    if (part == 1) reinterpret_cast<float*>(rec + WorkspaceLayout::kDecay)[d] = exp2_ftz(before);
 #pragma unroll
     for (int a = 1; a < kSubChunks; ++a)
 #pragma unroll
@@ -479,7 +483,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
         for (int m = b + 1; m < a; ++m) between += tau[m];
         // Not flushed: the row and column operands (each up to 2^58) can undo a factor below 2^-126.
-        s.fac[kSubChunks + pair_index(a, b)][d] = exp2f(h_row(a) + between + (tau[b] - h_col(b)));
+        s.fac[pair_index(a, b)][d] = exp2f(h_row(a) + between + (tau[b] - h_col(b)));
       }
     int wide = 0;  // bit a: some channel of sub-chunk a is wide
 #pragma unroll
@@ -557,7 +561,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       int a, b;
       block_job(warp, j, a, b);
       if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes it
-      row_block_product(acc[j], s.ki, s.fac[b == a ? a : kSubChunks + pair_index(a, b)], kj_base, a, b);
+      if (b == a) row_block_product<false>(acc[j], s.ki, nullptr, kj_base, a, b);
+      else row_block_product<true>(acc[j], s.ki, s.fac[pair_index(a, b)], kj_base, a, b);
     }
     group_sync(kABarrier, 32 * kAWarps);  // the A rows (ki) are dead
 #pragma unroll
@@ -628,7 +633,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       block_job(warp, j, a, b);
       if (a < 0 || (b == a && (wide_mask >> a & 1))) continue;  // none, or exact_diagonal_block's
       float acc[2][4] = {};
-      row_block_product(acc, s.qi, s.fac[b == a ? a : kSubChunks + pair_index(a, b)], kj_base, a, b);
+      if (b == a) row_block_product<false>(acc, s.qi, nullptr, kj_base, a, b);
+      else row_block_product<true>(acc, s.qi, s.fac[pair_index(a, b)], kj_base, a, b);
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll

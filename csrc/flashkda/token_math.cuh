@@ -84,6 +84,13 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 }
 constexpr float kLog2e = 1.4426950408889634f;
 
+// log2(x) on the special-function unit (absolute error about 2^-22 near 1).
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 1/x on the special-function unit (about 1 ulp; 1/inf = 0), without the IEEE division's fixups.
 __device__ __forceinline__ float rcp_approx(float x) {
   float y;
