@@ -7,9 +7,11 @@
 import shutil
 import sys
 
-MARKS = ["  // ---- Phase", "  __syncthreads();  // raw gate", "  // Per channel: sub-chunk totals",
-         "  if (ts == 0) {", "  {\n    // Pivot of this sub-chunk", "  float* amat = s.qi;", "  if (wide_mask != 0)",
-         "  // Off-diagonal blocks", "  // T = L diag"]
+# Lines before which a mark goes (the warp-group form and the CTA-barrier form of phase 2 alike);
+# thread 0 (warp 0, in the A group) takes the time, so the M group's work shows only where A waits.
+MARKS = ["  // ---- Phase", "    // ---- Phase", "  // This slice's offsets", "  // Per channel, once",
+         "  const int wide_mask = s.wide_mask;", "    group_sync(kABarrier", "      group_sync(kABarrier",
+         "  // Stage", "    // Off-diagonal blocks", "  // Off-diagonal blocks", "  // T = L diag"]
 MACRO = ("#define FKDA_MARK { if (threadIdx.x == 0) { const long long now_ = clock64(); "
          "atomicAdd(&g_phase_cycles[fkda_phase++], (unsigned long long)(now_ - fkda_last)); fkda_last = now_; } }\n")
 
@@ -33,9 +35,17 @@ def main() -> None:
             pos = i + 1
         body = out + body[pos:]
     body = body[: body.rindex("}")] + "  FKDA_MARK\n}" + body[body.rindex("}") + 1:]
+    # The phase each mark closes, in the order of the source (the harness prints them by index).
+    labels, at = [], 0
+    while (i := body.find("FKDA_MARK", at)) >= 0:
+        nxt = body.find("\n", i + len("FKDA_MARK") + 1)
+        labels.append(body[i + len("FKDA_MARK\n"):nxt].strip()[:60] if nxt > 0 else "end")
+        at = i + 1
     text = MACRO + text[:kernel_at] + body + text[end_at:]
     open(path, "w").write(text)
     print("marks:", body.count("FKDA_MARK"))
+    for n, label in enumerate(labels):
+        print(f"  phase {n:2d} ends before: {label}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 set -euo pipefail
 src=${1:-csrc}
 flags="-std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
-python3 bench/harness/phase_clocks.py "$src" /tmp/pc/csrc >/dev/null
+python3 bench/harness/phase_clocks.py "$src" /tmp/pc/csrc
 nvcc $flags -I"$src" bench/harness/prepare_harness.cu -o /tmp/prep_plain &
 nvcc $flags -I/tmp/pc/csrc -DPHASE_CLOCKS bench/harness/prepare_harness.cu -o /tmp/prep_clocks &
 wait
