@@ -10,6 +10,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # sanitizers on the chunked path, decode kernel times by family with FLA, host overhead, and
 # bench/prefill_quick.py on the issue rows: one call of about five minutes after the build; with
 # DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
+# | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES; with AB_APPLY=one of
+# them, that patch applied to the tree, then the chunk tests, the sanitizers and prefill_quick)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, then the prefill rows with the
 # FLA baselines) | profile (bench/ncu_hotspots.sh on chunk_prepare, chunk_recurrence and the sm_90
 # decode kernel).
@@ -62,15 +64,31 @@ if [[ $what == check ]]; then
     >"$OUT/tests.log" 2>&1
   tail -2 "$OUT/tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-250
   timeout 90 python3 -m pytest -q -m slow tests/test_cuda_chunk.py -p no:cacheprovider 2>&1 | tail -1
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck; do  # also kept in $OUT/sanitize.txt (the printed tail may cut it)
     timeout 120 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \
-      | grep -E "SUMMARY|Race reported|Invalid" | head -3
+      | grep -E "SUMMARY|Race reported|Invalid|access at" | head -12 | tee -a "$OUT/sanitize.txt" | head -3
   done
   FLASHKDA_FLA_BACKEND=0 timeout 150 python3 bench/diagnose.py 2>&1 | grep -v -i warn | tail -8
   FLASHKDA_FLA_BACKEND=0 timeout 60 python3 bench/host_profile.py 2>&1 | tail -11
   timeout 200 python3 bench/prefill_quick.py --splits 0 --segments "${SEGMENTS:-0,16,32,64}" --json "$OUT/quick.json" 2>&1 | grep -v -i warn
   [[ ${DECODE_SWEEP:-0} == 1 ]] && timeout 300 bash bench/harness/run_decode.sh
   [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh
+fi
+if [[ $what == ab ]]; then  # chunk_prepare variants: PATCHES (carried, e.g. in .cache) timed against the tree
+  bash bench/harness/ab_prepare.sh ${PATCHES:-} 2>&1 | tee "$OUT/ab.txt"
+  if [[ -n ${AB_APPLY:-} ]] && patch -s -p1 < "$AB_APPLY"; then  # then that variant through the GPU tests
+    export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
+    touch csrc/kernels/*.cu
+    FLASHKDA_CUDA_ARCHS=${FLASHKDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
+      python3 setup.py -q build_ext --inplace >"$OUT/build_ab.log" 2>&1 || { tail -20 "$OUT/build_ab.log"; exit 1; }
+    timeout ${TEST_LIMIT:-120} python3 -m pytest -q tests/test_cuda_chunk.py -m "not slow" --tb=line -p no:cacheprovider \
+      2>&1 | tail -2
+    for tool in memcheck racecheck; do
+      timeout 120 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \
+        | grep -E "SUMMARY|Race reported|Invalid|access at" | head -12 | tee -a "$OUT/sanitize.txt" | head -3
+    done
+    timeout 120 python3 bench/prefill_quick.py --splits 0 --json "$OUT/quick.json" 2>&1 | grep -v -i warn
+  fi
 fi
 if [[ $what == profile ]]; then  # Nsight Compute: stall reasons and hot lines (printed; reports stay on the machine)
   export PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH}
