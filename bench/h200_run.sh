@@ -10,8 +10,9 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # sanitizers on the chunked path, decode kernel times by family with FLA, host overhead, and
 # bench/prefill_quick.py on the issue rows: one call of about five minutes after the build; with
 # DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
-# | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES; with AB_APPLY=one of
-# them, that patch applied to the tree, then the chunk tests, the sanitizers and prefill_quick)
+# | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, PREPARE_CLOCKS=1 the
+# tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the chunk
+# tests, the sanitizers and prefill_quick)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, then the prefill rows with the
 # FLA baselines) | profile (bench/ncu_hotspots.sh on chunk_prepare, chunk_recurrence and the sm_90
 # decode kernel).
@@ -76,6 +77,7 @@ if [[ $what == check ]]; then
 fi
 if [[ $what == ab ]]; then  # chunk_prepare variants: PATCHES (carried, e.g. in .cache) timed against the tree
   bash bench/harness/ab_prepare.sh ${PATCHES:-} 2>&1 | tee "$OUT/ab.txt"
+  [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh 2>&1 | tee "$OUT/clocks.txt"
   if [[ -n ${AB_APPLY:-} ]] && patch -s -p1 < "$AB_APPLY"; then  # then that variant through the GPU tests
     export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
     touch csrc/kernels/*.cu
