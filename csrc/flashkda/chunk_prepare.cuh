@@ -214,11 +214,14 @@ __device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
   b = int(job & 0xfu);
 }
 
-// Named barrier of one warp group (id, threads); id 0 is __syncthreads. The warp reconverges
-// first (some callers leave a lane-divergent branch just before).
-__device__ __forceinline__ void group_sync(int id, int threads) {
+// Named barrier of one warp group (id, threads: immediates, so that ptxas reserves only this
+// barrier); id 0 is __syncthreads. The warp reconverges first (some callers leave a lane-divergent
+// branch just before).
+template <int kId, int kThreads>
+__device__ __forceinline__ void group_sync() {
+  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0, "a named barrier of whole warps");
   __syncwarp();
-  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
 constexpr int kABarrier = 1;
 
@@ -564,7 +567,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       if (b == a) row_block_product<false>(acc[j], s.ki, nullptr, kj_base, a, b);
       else row_block_product<true>(acc[j], s.ki, s.fac[pair_index(a, b)], kj_base, a, b);
     }
-    group_sync(kABarrier, 32 * kAWarps);  // the A rows (ki) are dead
+    group_sync<kABarrier, 32 * kAWarps>();  // the A rows (ki) are dead
 #pragma unroll
     for (int j = 0; j < kAJobs; ++j) {
       int a, b;
@@ -579,11 +582,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           amat[i * kSqStride + jc + 1] = jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f;
         }
     }
-    group_sync(kABarrier, 32 * kAWarps);
+    group_sync<kABarrier, 32 * kAWarps>();
     if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
       if (warp < kSubChunks && (wide_mask >> warp & 1))
         exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_rec);
-      group_sync(kABarrier, 32 * kAWarps);
+      group_sync<kABarrier, 32 * kAWarps>();
     }
 
     // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 ------------------------------------
@@ -599,7 +602,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         linv[(base + i) * kSqStride + base + j] = accv;
       }
     }
-    group_sync(kABarrier, 32 * kAWarps);
+    group_sync<kABarrier, 32 * kAWarps>();
     // Off-diagonal blocks, one warp per block column b (columns are independent):
     //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
     // as 16x16x16 products on the tf32 tensor cores.
