@@ -201,7 +201,8 @@ __device__ __forceinline__ void store_block(float* dst, int stride, const float 
 
 // Phase 2 work list: the ten blocks (a, b), b <= a, of A and of M. A is on the critical path (the
 // inverse waits for it): warps 0-4 run two blocks each. M is only stored, so warps 5-7 run three or
-// four blocks each while the inverse runs. One byte per job, (a << 4) | b, 0xff for none.
+// four blocks each, spread over the stages of A's products, store and inverse. One byte per job,
+// (a << 4) | b, 0xff for none.
 constexpr int kAWarps = 5, kMWarps = kPrepareThreads / 32 - kAWarps;
 constexpr int kAJobs = 2, kMJobs = 4;
 __device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
@@ -214,16 +215,6 @@ __device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
   b = int(job & 0xfu);
 }
 
-// Named barrier of one warp group (id, threads: immediates, so that ptxas reserves only this
-// barrier); id 0 is __syncthreads. The warp reconverges first (some callers leave a lane-divergent
-// branch just before).
-template <int kId, int kThreads>
-__device__ __forceinline__ void group_sync() {
-  static_assert(kId > 0 && kId < 16 && kThreads % 32 == 0, "a named barrier of whole warps");
-  __syncwarp();
-  asm volatile("barrier.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
-}
-constexpr int kABarrier = 1;
 
 // acc (16x16 block (a, b)) += rows[a] · diag(f) · kjᵀ[b] over the head dim; rows fp32, kj OpElem.
 // kScaled false: f is 1 (a narrow diagonal block) and is not read.
@@ -540,12 +531,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   __syncthreads();
 
   // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
-  // Two warp groups with their own barriers: A (warps 0-4) goes on to the inverse, M (warps 5-7)
-  // writes its blocks straight to the record meanwhile. Shared memory from here on:
+  // Two warp groups: A (warps 0-4) goes on to the inverse; M (warps 5-7) writes its blocks straight
+  // to the record, one block per stage of the A group's work. Shared memory from here on:
   //   ki (A rows, read by the A group only): amat (f32 [kChunk][kSqStride]), then linv after it
-  //   qi (M rows, read by the M group only): tinv_s (SqTile), after the full barrier
+  //   qi (M rows, read by the M group only): tinv_s (SqTile), once every M block is done
   //   sub_table (dead): scratch of the off-diagonal inverse
-  //   kj (column operand of both groups): w_s (MatTile), after the full barrier
+  //   kj (column operand of both groups): w_s (MatTile), once every M block is done
   float* amat = s.ki;
   float* linv = s.ki + kAliasSqF32Bytes / 4;
   uint8_t* tinv_s = reinterpret_cast<uint8_t*>(s.qi);
@@ -553,8 +544,28 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   uint8_t* w_s = s.kj;
   uint8_t* mqk_rec = rec + WorkspaceLayout::kMqk;
   const uint32_t kj_base = sm80::smem_u32(s.kj);
-  if (warp < kAWarps) {
-    float acc[kAJobs][2][4];
+  // The M group's blocks, one job slot at a time, run in the A group's stages below; every stage
+  // ends at a CTA barrier (M needs none of them, A's inverse needs all of them).
+  auto m_job = [&](int slot) {
+    int a, b;
+    block_job(warp, slot, a, b);
+    if (a < 0 || (b == a && (wide_mask >> a & 1))) return;  // none, or exact_diagonal_block's
+    float acc[2][4] = {};
+    if (b == a) row_block_product<false>(acc, s.qi, nullptr, kj_base, a, b);
+    else row_block_product<true>(acc, s.qi, s.fac[pair_index(a, b)], kj_base, a, b);
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
+        *reinterpret_cast<uint32_t*>(mqk_rec + SqTile::offset(i, jc)) =
+            sm80::pack2<Elem>(jc <= i ? acc[n][2 * hh] : 0.f, jc + 1 <= i ? acc[n][2 * hh + 1] : 0.f);
+      }
+  };
+  const bool a_group = warp < kAWarps;
+  // Stage 1: A's blocks into registers; M: zeros above the diagonal, two blocks.
+  float acc[kAJobs][2][4];
+  if (a_group) {
 #pragma unroll
     for (int j = 0; j < kAJobs; ++j) {
 #pragma unroll
@@ -567,7 +578,18 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       if (b == a) row_block_product<false>(acc[j], s.ki, nullptr, kj_base, a, b);
       else row_block_product<true>(acc[j], s.ki, s.fac[pair_index(a, b)], kj_base, a, b);
     }
-    group_sync<kABarrier, 32 * kAWarps>();  // the A rows (ki) are dead
+  } else {
+    for (int e = tid - 32 * kAWarps; e < kChunk * (kChunk / 8); e += 32 * kMWarps) {
+      const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
+      if (ch * 8 / kSubChunk > i / kSubChunk)
+        *reinterpret_cast<uint4*>(mqk_rec + SqTile::chunk_offset(i, ch)) = uint4{};
+    }
+    m_job(0);
+    m_job(1);
+  }
+  __syncthreads();  // the A rows (ki) are dead
+  // Stage 2: A's blocks to amat (in ki); M: its third block.
+  if (a_group) {
 #pragma unroll
     for (int j = 0; j < kAJobs; ++j) {
       int a, b;
@@ -582,15 +604,18 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
           amat[i * kSqStride + jc + 1] = jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f;
         }
     }
-    group_sync<kABarrier, 32 * kAWarps>();
-    if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
-      if (warp < kSubChunks && (wide_mask >> warp & 1))
-        exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_rec);
-      group_sync<kABarrier, 32 * kAWarps>();
-    }
+  } else {
+    m_job(2);
+  }
+  __syncthreads();
+  if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
+    if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_rec);
+    __syncthreads();
+  }
 
-    // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 ------------------------------------
-    if (warp < kSubChunks && lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
+  // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 (M: its fourth block meanwhile) ------
+  if (warp < kSubChunks) {
+    if (lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
       const int a = warp, j = lane, base = a * kSubChunk;
       float x[kSubChunk];
 #pragma unroll
@@ -602,50 +627,27 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         linv[(base + i) * kSqStride + base + j] = accv;
       }
     }
-    group_sync<kABarrier, 32 * kAWarps>();
-    // Off-diagonal blocks, one warp per block column b (columns are independent):
-    //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
-    // as 16x16x16 products on the tf32 tensor cores.
-    if (warp < kSubChunks - 1) {
-      const int b = warp;
-      float* scr = scratch + warp * kSubChunk * kScratchStride;
-      for (int a = b + 1; a < kSubChunks; ++a) {
-        float acc2[2][4] = {};
-        for (int cc = b; cc < a; ++cc)
-          block_product_tf32(acc2, amat + a * kSubChunk * kSqStride + cc * kSubChunk, kSqStride,
-                             linv + cc * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
-        store_block(scr, kScratchStride, acc2, 1.f);
-        __syncwarp();
-        float acc3[2][4] = {};
-        block_product_tf32(acc3, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
-        store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc3, -1.f);
-        __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
-      }
-    }
-  } else {
-    // M: blocks on and below the diagonal (diagonal ones masked to j <= i), zeros above.
-    const int mt = tid - 32 * kAWarps;
-    for (int e = mt; e < kChunk * (kChunk / 8); e += 32 * kMWarps) {
-      const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
-      if (ch * 8 / kSubChunk > i / kSubChunk)
-        *reinterpret_cast<uint4*>(mqk_rec + SqTile::chunk_offset(i, ch)) = uint4{};
-    }
-#pragma unroll
-    for (int j = 0; j < kMJobs; ++j) {
-      int a, b;
-      block_job(warp, j, a, b);
-      if (a < 0 || (b == a && (wide_mask >> a & 1))) continue;  // none, or exact_diagonal_block's
-      float acc[2][4] = {};
-      if (b == a) row_block_product<false>(acc, s.qi, nullptr, kj_base, a, b);
-      else row_block_product<true>(acc, s.qi, s.fac[pair_index(a, b)], kj_base, a, b);
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
-          *reinterpret_cast<uint32_t*>(mqk_rec + SqTile::offset(i, jc)) =
-              sm80::pack2<Elem>(jc <= i ? acc[n][2 * hh] : 0.f, jc + 1 <= i ? acc[n][2 * hh + 1] : 0.f);
-        }
+  } else if (!a_group) {
+    m_job(3);
+  }
+  __syncthreads();
+  // Off-diagonal blocks, one warp per block column b (columns are independent):
+  //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
+  // as 16x16x16 products on the tf32 tensor cores.
+  if (warp < kSubChunks - 1) {
+    const int b = warp;
+    float* scr = scratch + warp * kSubChunk * kScratchStride;
+    for (int a = b + 1; a < kSubChunks; ++a) {
+      float acc2[2][4] = {};
+      for (int cc = b; cc < a; ++cc)
+        block_product_tf32(acc2, amat + a * kSubChunk * kSqStride + cc * kSubChunk, kSqStride,
+                           linv + cc * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
+      store_block(scr, kScratchStride, acc2, 1.f);
+      __syncwarp();
+      float acc3[2][4] = {};
+      block_product_tf32(acc3, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
+      store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc3, -1.f);
+      __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
     }
   }
   __syncthreads();
