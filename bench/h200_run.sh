@@ -78,12 +78,15 @@ fi
 if [[ $what == ab ]]; then  # chunk_prepare variants: PATCHES (carried, e.g. in .cache) timed against the tree
   bash bench/harness/ab_prepare.sh ${PATCHES:-} 2>&1 | tee "$OUT/ab.txt"
   [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh 2>&1 | tee "$OUT/clocks.txt"
-  if [[ -n ${AB_APPLY:-} ]] && patch -s -p1 < "$AB_APPLY"; then  # then that variant through the GPU tests
+  # then one variant through the GPU tests: AB_APPLY=patch, or AB_APPLY=tree for the tree as it is
+  if [[ -n ${AB_APPLY:-} ]] && { [[ $AB_APPLY == tree ]] || patch -s -p1 < "$AB_APPLY"; }; then
     export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
-    touch csrc/kernels/*.cu
-    FLASHKDA_CUDA_ARCHS=${FLASHKDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
-      python3 setup.py -q build_ext --inplace >"$OUT/build_ab.log" 2>&1 || { tail -20 "$OUT/build_ab.log"; exit 1; }
-    timeout ${TEST_LIMIT:-120} python3 -m pytest -q tests/test_cuda_chunk.py -m "not slow" --tb=line -p no:cacheprovider \
+    if [[ $AB_APPLY != tree ]]; then
+      touch csrc/kernels/*.cu
+      FLASHKDA_CUDA_ARCHS=${FLASHKDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
+        python3 setup.py -q build_ext --inplace >"$OUT/build_ab.log" 2>&1 || { tail -20 "$OUT/build_ab.log"; exit 1; }
+    fi
+    timeout ${TEST_LIMIT:-120} python3 -m pytest -q ${TESTS:-tests/test_cuda_chunk.py} -m "not slow" --tb=line -p no:cacheprovider \
       2>&1 | tail -2
     for tool in memcheck racecheck; do
       timeout 120 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \

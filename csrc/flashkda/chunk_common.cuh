@@ -73,24 +73,27 @@ struct ChunkSpan {
   int len;             // valid tokens, 1..kChunk
 };
 
+// A varlen chunk slot's first token and length in one word of ChunkParams::slot_chunks (a length
+// of 0: no chunk).
+constexpr int kSlotLenBits = 7;
+static_assert(kChunk < (1 << kSlotLenBits), "a chunk's length fits in its bits");
+__host__ __device__ __forceinline__ int64_t pack_slot_chunk(int64_t bos, int len) {
+  return (bos << kSlotLenBits) | len;
+}
+
 __device__ __forceinline__ bool locate_chunk(const ChunkParams& p, int slot, ChunkSpan& c) {
-  int n = 0;
-  if (p.cu_seqlens != nullptr) {
-    if (slot >= p.chunk_offsets[p.N]) return false;
-    int lo = 0, hi = p.N;  // chunk_offsets[lo] <= slot < chunk_offsets[hi]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (p.chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
-    }
-    n = lo;
-  } else {
-    n = slot / p.chunks_per_seq;
+  if (p.cu_seqlens != nullptr) {  // one load: chunk_index resolved the slot
+    const int64_t word = p.slot_chunks[slot];
+    c.batch = 0;
+    c.bos = word >> kSlotLenBits;
+    c.len = int(word & ((1 << kSlotLenBits) - 1));
+    return c.len > 0;
   }
-  const SeqSpan s = sequence_span(p, n);
-  const int64_t j = slot - s.first_slot;
-  c.batch = s.batch;
-  c.bos = s.bos + j * kChunk;
-  const int64_t rest = s.len - j * kChunk;
+  const int n = slot / p.chunks_per_seq;
+  const int64_t j = slot - int64_t(n) * p.chunks_per_seq;
+  c.batch = n;
+  c.bos = j * kChunk;
+  const int64_t rest = p.T - j * kChunk;
   if (rest <= 0) return false;
   c.len = rest < kChunk ? int(rest) : kChunk;
   return true;

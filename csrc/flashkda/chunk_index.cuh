@@ -1,5 +1,6 @@
 // chunk_index: chunk_offsets[n] = Σ_{m<n} ceil(len_m / kChunk) for varlen batches, on the device,
-// so that chunk_prepare can map its blocks to sequences without a host sync.
+// and then every chunk slot's first token and length (slot_chunks), so that chunk_prepare maps its
+// work to sequences with one load and without a host sync.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,6 +53,24 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
     __syncthreads();
     if (tid == kIndexThreads - 1) carry = value;
     __syncthreads();
+  }
+  // Slot -> (sequence, chunk) by a binary search over the offsets just written (visible to the
+  // whole block after the barrier above).
+  const int total = p.chunk_offsets[p.N];
+  for (int slot = tid; slot < p.num_chunk_slots; slot += kIndexThreads) {
+    int64_t word = 0;
+    if (slot < total) {
+      int lo = 0, hi = p.N;  // chunk_offsets[lo] <= slot < chunk_offsets[hi]
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (p.chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
+      }
+      const SeqSpan seq = sequence_span(p, lo);
+      const int64_t first = int64_t(slot - p.chunk_offsets[lo]) * kChunk;
+      const int64_t rest = seq.len - first;
+      word = pack_slot_chunk(seq.bos + first, rest < kChunk ? int(rest) : kChunk);
+    }
+    p.slot_chunks[slot] = word;
   }
 }
 
