@@ -7,11 +7,10 @@
 import shutil
 import sys
 
-# Lines before which a mark goes (the warp-group form and the CTA-barrier form of phase 2 alike);
-# thread 0 (warp 0, in the A group) takes the time, so the M group's work shows only where A waits.
-MARKS = ["  // ---- Phase", "    // ---- Phase", "  // This slice's offsets", "  // Per channel, once",
-         "  const int wide_mask = s.wide_mask;", "    group_sync(kABarrier", "      group_sync(kABarrier",
-         "  // Stage", "    // Off-diagonal blocks", "  // Off-diagonal blocks", "  // T = L diag"]
+# Lines before which a mark goes; thread 0 (warp 0, in the A group) takes the time, so the M
+# group's work shows only where A waits for it at a barrier.
+MARKS = ["  // ---- Phase", "  // This slice's offsets", "  // Per channel, once",
+         "  const int wide_mask = s.wide_mask;", "  // Stage", "  // Off-diagonal blocks", "  // T = L diag"]
 MACRO = ("#define FKDA_MARK { if (threadIdx.x == 0) { const long long now_ = clock64(); "
          "atomicAdd(&g_phase_cycles[fkda_phase++], (unsigned long long)(now_ - fkda_last)); fkda_last = now_; } }\n")
 

@@ -204,7 +204,7 @@ __device__ __forceinline__ void store_block(float* dst, int stride, const float 
 // four blocks each, spread over the stages of A's products, store and inverse. One byte per job,
 // (a << 4) | b, 0xff for none.
 constexpr int kAWarps = 5, kMWarps = kPrepareThreads / 32 - kAWarps;
-constexpr int kAJobs = 2, kMJobs = 4;
+constexpr int kAJobs = 2;
 __device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
   static_assert(kPrepareThreads / 32 == 8, "eight warps");
   const uint32_t jobs = warp == 0 ? 0xffff0030u : warp == 1 ? 0xffff1131u : warp == 2 ? 0xffff2232u
