@@ -1,8 +1,10 @@
-"""The sm_90 decode kernel (csrc/flashkda/decode_bulk.cuh) against the sm_80 one and the fp64 oracle.
+"""The default family's decode kernels against the sm_80 one and the fp64 oracle: an fp32 state runs
+csrc/flashkda/decode_stream.cuh (any device), a bf16 state csrc/flashkda/decode_bulk.cuh (sm_90).
 
-Sizes give every block of the persistent grid dozens of work items, so the stage ring wraps many
-times and the producer resolves several batches of 32 items. On a device or build without sm_90
-code both families run the sm_80 kernel and the tests still hold.
+Sizes give every block of the persistent grids dozens of work items, so the bulk kernel's stage ring
+wraps many times and its producer resolves several batches of 32 items, and every warp of the
+stream kernel carries a prefetched item across many iterations. On a device or build without
+sm_90 code a bf16 state runs the sm_80 kernel in both families and the tests still hold.
 """
 
 import pytest
@@ -45,7 +47,7 @@ def test_families_agree_on_pool_with_padding(pool_dtype, T):
         assert torch.count_nonzero(o[~valid]) == 0, f"{family}: padding output is not zero"
 
     (o80, p80), (o90, p90) = results["sm80"], results["sm90"]
-    if pool_dtype == torch.float32:  # same summation order in both kernels
+    if pool_dtype == torch.float32:  # fp32 tokens and pool: the kernels sum in different orders
         assert rel_err(o90, o80) <= 1e-6 and rel_err(p90, p80) <= 1e-6
     else:  # bf16 pool: the kernels sum in different orders, and near-cancelling outputs can differ by
         # more than one bf16 step element-wise; the fp64 checks below bound both

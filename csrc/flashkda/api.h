@@ -14,8 +14,13 @@ namespace flashkda {
 template <typename Elem, int D>
 cudaError_t run_recurrent(const RecurrentParams& params, cudaStream_t stream);
 
-// Head dim (K == V) of the sm_90 decode kernel.
+// Head dim (K == V) of the decode kernels run_decode_stream and run_decode_bulk.
 constexpr int kDecodeBulkHeadDim = 128;
+
+// Decode step for fp32 V-first states (decode_stream.cuh), any sm_80+ device. Sets `launched` to
+// false, and launches nothing, when the case is not covered; the caller then tries the next kernel.
+template <typename Elem>
+cudaError_t run_decode_stream(const RecurrentParams& params, cudaStream_t stream, bool& launched);
 
 // Decode step on sm_90 (decode_bulk.cuh), for the V-first cases it covers: StateT (float or
 // __nv_bfloat16) is the element type of every state tensor given. Sets `launched` to false, and

@@ -446,13 +446,6 @@ constexpr DType state_dtype() {
   return std::is_same<StateT, float>::value ? DType::kFloat32 : DType::kBFloat16;
 }
 
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-// A stride keeps 16-byte aligned rows aligned, or is never taken (extent 1).
-inline bool stride_ok(int64_t stride, int elem_bytes, int64_t extent) {
-  return extent <= 1 || (stride * elem_bytes) % 16 == 0;
-}
-
 // The cases this kernel serves: decode-sized calls (kMaxMeanTokens), one slot per sequence, one
 // state dtype; the bulk copies need 16-byte aligned state tensors.
 template <typename StateT>
@@ -464,26 +457,9 @@ bool covers(const RecurrentParams& p, int blocks_v) {
   if (int64_t(p.N) * p.HV * blocks_v >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
   const int64_t tokens = p.cu_seqlens != nullptr ? int64_t(p.T) : int64_t(p.B) * p.T;
   if (tokens > int64_t(kMaxMeanTokens) * p.N) return false;
-  if (p.state_in != nullptr && (p.state_in_dtype != kState || !aligned16(p.state_in))) return false;
-  if (p.state_out != nullptr && (p.state_out_dtype != kState || !aligned16(p.state_out))) return false;
+  if (p.state_in != nullptr && (p.state_in_dtype != kState || !recurrent::aligned16(p.state_in))) return false;
+  if (p.state_out != nullptr && (p.state_out_dtype != kState || !recurrent::aligned16(p.state_out))) return false;
   return true;
-}
-
-// Whether the first token's rows can travel by bulk copy (16-byte aligned starts).
-template <typename Elem>
-bool tokens_stageable(const RecurrentParams& p) {
-  constexpr int e = sizeof(Elem);
-  auto rows_ok = [&](const void* ptr, int bytes, int64_t sb, int64_t st, int64_t sh, int64_t heads) {
-    return aligned16(ptr) && stride_ok(sb, bytes, p.B) && stride_ok(st, bytes, p.T) && stride_ok(sh, bytes, heads);
-  };
-  bool ok = rows_ok(p.q, e, p.q_batch_stride, p.q_token_stride, p.q_head_stride, p.H) &&
-            rows_ok(p.k, e, p.k_batch_stride, p.k_token_stride, p.k_head_stride, p.H) &&
-            rows_ok(p.v, e, p.v_batch_stride, p.v_token_stride, p.v_head_stride, p.HV);
-  if (!p.scalar_gate) {
-    ok = ok && rows_ok(p.g, dtype_bytes(p.g_dtype), p.g_batch_stride, p.g_token_stride, p.g_head_stride, p.HV);
-    ok = ok && (p.dt_bias == nullptr || aligned16(p.dt_bias));
-  }
-  return ok;
 }
 
 // Resident blocks per SM on the current device, or 0 when the device has no sm_90 code of the
@@ -492,29 +468,22 @@ bool tokens_stageable(const RecurrentParams& p) {
 template <typename Elem, typename StateT, typename Tune>
 int blocks_per_sm() {
   using S = Shape<Elem, StateT, Tune>;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known[kMaxDevices];  // blocks + 1; 0: not queried yet
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
-  if (device < kMaxDevices && known[device].load(std::memory_order_relaxed) > 0)
-    return known[device].load(std::memory_order_relaxed) - 1;
-  const auto kernel = decode_step_bulk<Elem, StateT, Tune>;
-  cudaFuncAttributes attr;
-  int blocks = 0;
-  const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
-                  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) == cudaSuccess &&
-                  cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       int(cudaSharedmemCarveoutMaxShared)) == cudaSuccess &&
-                  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, S::kThreads, S::kSmemBytes) == cudaSuccess;
-  if (!ok) {
-    (void)cudaGetLastError();  // no usable image: the caller runs the sm_80 kernel instead
-    blocks = 0;
-  }
-  if (device < kMaxDevices) known[device].store(blocks + 1, std::memory_order_relaxed);
-  return blocks;
+  static std::atomic<int> known[recurrent::kMaxCachedDevices];
+  return recurrent::cached_per_device(known, [] {
+    const auto kernel = decode_step_bulk<Elem, StateT, Tune>;
+    cudaFuncAttributes attr;
+    int blocks = 0;
+    const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) == cudaSuccess &&
+                    cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         int(cudaSharedmemCarveoutMaxShared)) == cudaSuccess &&
+                    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, S::kThreads, S::kSmemBytes) == cudaSuccess;
+    if (!ok) {
+      (void)cudaGetLastError();  // no usable image: the caller runs the sm_80 kernel instead
+      blocks = 0;
+    }
+    return blocks;
+  });
 }
 
 }  // namespace decode_bulk
@@ -528,16 +497,11 @@ cudaError_t run_decode_bulk_tuned(const RecurrentParams& p, cudaStream_t stream,
   if (per_sm == 0) return cudaSuccess;
   launched = true;
   if (p.N == 0) return cudaSuccess;
-  int sms = p.num_sms;
-  if (sms <= 0) {
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-  }
+  int sms = 0;
+  if (const cudaError_t err = recurrent::sm_count(p, sms); err != cudaSuccess) return err;
   decode_bulk::Plan plan;
   plan.num_items = uint32_t(int64_t(p.N) * p.HV * S::kBlocksV);
-  plan.stage_tokens = decode_bulk::tokens_stageable<Elem>(p);
+  plan.stage_tokens = recurrent::token_rows_aligned16<Elem>(p);
   const unsigned grid = unsigned(std::min<int64_t>(plan.num_items, int64_t(sms) * per_sm));
   decode_bulk::decode_step_bulk<Elem, StateT, Tune><<<grid, S::kThreads, S::kSmemBytes, stream>>>(p, plan);
   return cudaGetLastError();

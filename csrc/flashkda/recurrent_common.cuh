@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "constants.h"
@@ -227,6 +228,64 @@ __device__ __forceinline__ void vfirst_token_update(float (&S)[kRows][kChunks][k
 #pragma unroll
       for (int e = 0; e < kVec; ++e) S[j][c][e] += kv[e] * u[j];
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host-side checks of the decode kernels that load token rows with vector accesses
+// ---------------------------------------------------------------------------------------------
+
+// A per-device value (a kernel's resident blocks per SM), computed by `query` on the first call on
+// each device and kept in `known` (value + 1; 0: not computed yet); 0 when the current device
+// cannot be read.
+constexpr int kMaxCachedDevices = 64;
+template <typename Query>
+int cached_per_device(std::atomic<int> (&known)[kMaxCachedDevices], Query&& query) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (device < kMaxCachedDevices) {
+    const int k = known[device].load(std::memory_order_relaxed);
+    if (k > 0) return k - 1;
+  }
+  const int value = query();
+  if (device < kMaxCachedDevices) known[device].store(value + 1, std::memory_order_relaxed);
+  return value;
+}
+
+// SMs of the current device: p.num_sms when the binding filled it in, else a device query.
+inline cudaError_t sm_count(const RecurrentParams& p, int& sms) {
+  sms = p.num_sms;
+  if (sms > 0) return cudaSuccess;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return err;
+}
+
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// A stride keeps 16-byte aligned rows aligned, or is never taken (extent 1).
+inline bool stride_ok(int64_t stride, int elem_bytes, int64_t extent) {
+  return extent <= 1 || (stride * elem_bytes) % 16 == 0;
+}
+
+// Every row of q, k, v and (per-channel) g starts 16-byte aligned, and so does dt_bias.
+template <typename Elem>
+bool token_rows_aligned16(const RecurrentParams& p) {
+  constexpr int e = sizeof(Elem);
+  auto rows_ok = [&](const void* ptr, int bytes, int64_t sb, int64_t st, int64_t sh, int64_t heads) {
+    return aligned16(ptr) && stride_ok(sb, bytes, p.B) && stride_ok(st, bytes, p.T) && stride_ok(sh, bytes, heads);
+  };
+  bool ok = rows_ok(p.q, e, p.q_batch_stride, p.q_token_stride, p.q_head_stride, p.H) &&
+            rows_ok(p.k, e, p.k_batch_stride, p.k_token_stride, p.k_head_stride, p.H) &&
+            rows_ok(p.v, e, p.v_batch_stride, p.v_token_stride, p.v_head_stride, p.HV);
+  if (!p.scalar_gate) {
+    ok = ok && rows_ok(p.g, dtype_bytes(p.g_dtype), p.g_batch_stride, p.g_token_stride, p.g_head_stride, p.HV);
+    ok = ok && (p.dt_bias == nullptr || aligned16(p.dt_bias));
+  }
+  return ok;
 }
 
 }  // namespace recurrent

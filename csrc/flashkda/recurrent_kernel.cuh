@@ -291,11 +291,12 @@ cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
   if constexpr (D == kDecodeBulkHeadDim) {
     if (p.state_v_first && p.kernel_family != KernelFamily::kSm80) {
-      // The sm_90 kernel takes the case when it covers it and the device has its code.
+      // An fp32 state streams through registers (decode_stream.cuh); a bf16 one goes through the
+      // sm_90 kernel when it covers the case and the device has its code.
       const DType state = p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype;
       bool launched = false;
       const cudaError_t err = state == DType::kBFloat16 ? run_decode_bulk<Elem, __nv_bfloat16>(p, stream, launched)
-                                                        : run_decode_bulk<Elem, float>(p, stream, launched);
+                                                        : run_decode_stream<Elem>(p, stream, launched);
       if (err != cudaSuccess || launched) return err;
     }
   }

@@ -1,0 +1,330 @@
+// Decode step for fp32 V-first states: persistent warps stream their state rows through registers.
+// decode_step_vfirst (recurrent_kernel.cuh) serves every case this kernel does not cover
+// (run_decode_stream decides); the two sum in different orders and agree to fp32 rounding.
+//
+// Why: a decode step reads and writes the whole state once, so it is bound by HBM bandwidth, and
+// the question is how many state bytes are in flight. In decode_step_vfirst each block waits a
+// memory latency for its slot index before its state loads go out, then exits; in decode_bulk.cuh
+// the state takes a detour through shared memory (bulk copies in and out). Here each warp owns one
+// work item at a time in registers, and issues the next item's state and token loads as soon as the
+// current item is stored, with that item's slot (and sequence bounds) resolved one item earlier, so
+// a warp almost always has its next 4 KB on the way. Measured on the H200 (BENCHMARK_H200.md):
+// 87-90% of the copy floor where decode_bulk.cuh reaches 78-83%; the same loop without token loads
+// or arithmetic (the access pattern alone) is only 1-2% faster.
+//
+// Work item: (sequence n, value head hv, block of kItemRows value rows), kItemRows * D contiguous
+// fp32 state elements. Lane l holds keys 4l .. 4l+3 of every row of its item, so a warp access is
+// one 512-byte row, the token vectors a lane needs are its own four channels (vector loads into
+// registers, no shared memory), and a reduction over K is a warp butterfly. Items are numbered value
+// block fastest: the warps of a block work on neighbouring rows of one head and share its token rows
+// in L1.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "api.h"
+#include "recurrent_common.cuh"
+#include "recurrent_params.h"
+#include "token_math.cuh"
+
+namespace flashkda {
+namespace decode_stream {
+
+constexpr int D = kDecodeBulkHeadDim;
+constexpr int kWarps = 8;        // warps per block
+constexpr int kBlocksPerSm = 2;  // with 256 threads: a cap of 128 registers
+// 8 rows (4 KB) per item. Measured on the H200 (bench/harness/decode_warp_probe.cu, N = 256): 4
+// rows, 3 blocks/SM 0.289-0.301 ms; 8 rows, 2 blocks/SM 0.283-0.287; 16 rows, 1 block/SM 0.300.
+constexpr int kItemRows = 8;
+constexpr int kBlocksV = D / kItemRows;
+constexpr int kKeysPerLane = D / 32;
+static_assert(kKeysPerLane == 4 && kItemRows <= 32, "lane layout: 4 keys per lane, one output row per lane");
+// Mean tokens per sequence up to which this kernel takes a call: a long sequence is a chain of
+// token latencies, and decode_step_vfirst keeps more such chains per SM in flight.
+constexpr int kMaxMeanTokens = 8;
+
+// A resolved work item, compact (it is carried one item ahead in registers): 32-bit fields where
+// covers() bounds the values (batch rows, tokens and slots are far below 2^31).
+struct Item {
+  int64_t bos;     // first token of the sequence within its batch row
+  int batch, len;  // batch row, number of tokens
+  int read_slot;   // -1: the state starts at zero (or is not needed)
+  int write_slot;  // -1: the final state is not stored
+  int hv, v0;      // value head, first value row
+  bool skip;       // padding sequence: zero output, no state traffic
+};
+
+__device__ __forceinline__ Item resolve_item(const RecurrentParams& p, uint32_t item) {
+  const int vblock = int(item % kBlocksV);
+  const uint32_t rest = item / kBlocksV;
+  const int n = int(rest / uint32_t(p.HV));
+  const recurrent::Sequence seq = recurrent::resolve_sequence(p, n);
+  int64_t write_slot = recurrent::final_slot(p, n, seq);
+  // A zero-length sequence passes its state through: nothing moves when it stays in place.
+  if (seq.len == 0 && p.state_in == p.state_out && seq.read_slot == write_slot) write_slot = -1;
+  const bool needs_state = !seq.skip && (seq.len > 0 || write_slot >= 0);
+  Item it;
+  it.bos = seq.bos;
+  it.batch = int(seq.batch);
+  it.len = int(seq.len);
+  it.read_slot = needs_state ? int(seq.read_slot) : -1;
+  it.write_slot = int(write_slot);
+  it.hv = int(rest % uint32_t(p.HV));
+  it.v0 = vblock * kItemRows;
+  it.skip = seq.skip;
+  return it;
+}
+
+// Raw bits of one token as a lane loads them (its four key channels, the item's v values), turned
+// into numbers only when used, so that every load of an item goes out before the first wait.
+template <typename Elem>
+struct TokenRaw {
+  using Four = typename std::conditional<sizeof(Elem) == 2, uint2, uint4>::type;  // 4 Elem
+  Four q, k;
+  uint4 g;         // 4 gate values of g_dtype (16-bit types: .x, .y); scalar gate: .x
+  float4 bias;     // dt_bias of the 4 channels, scalar gate: .x; zeros without dt_bias
+  uint32_t beta;   // beta_dtype bits
+  float a_log;     // A_log[hv], 0 without A_log
+  uint4 v[sizeof(Elem) / 2];  // the item's kItemRows values of v
+};
+
+__device__ __forceinline__ uint32_t load_bits(const void* base, DType dt, int64_t i) {
+  return dt == DType::kFloat32 ? static_cast<const uint32_t*>(base)[i] : uint32_t(static_cast<const uint16_t*>(base)[i]);
+}
+
+__device__ __forceinline__ float bits_to_float(uint32_t b, DType dt) {
+  switch (dt) {
+    case DType::kBFloat16: return __uint_as_float(b << 16);
+    case DType::kFloat16: return __half2float(__ushort_as_half(uint16_t(b)));
+    default: return __uint_as_float(b);
+  }
+}
+
+template <typename Elem>
+__device__ __forceinline__ void unpack4(const typename TokenRaw<Elem>::Four& raw, float (&x)[4]) {
+  const Elem* e = reinterpret_cast<const Elem*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = to_float(e[i]);
+}
+
+__device__ __forceinline__ void unpack_gate4(const uint4& raw, DType dt, float (&x)[4]) {
+  if (dt == DType::kFloat32) {
+    x[0] = __uint_as_float(raw.x), x[1] = __uint_as_float(raw.y), x[2] = __uint_as_float(raw.z), x[3] = __uint_as_float(raw.w);
+  } else {
+    x[0] = bits_to_float(raw.x & 0xffffu, dt), x[1] = bits_to_float(raw.x >> 16, dt);
+    x[2] = bits_to_float(raw.y & 0xffffu, dt), x[3] = bits_to_float(raw.y >> 16, dt);
+  }
+}
+
+template <typename Elem>
+__device__ __forceinline__ TokenRaw<Elem> load_token(const RecurrentParams& p, const Item& it, int64_t t, int lane) {
+  using Four = typename TokenRaw<Elem>::Four;
+  const int hk = it.hv / (p.HV / p.H), c0 = kKeysPerLane * lane;
+  const recurrent::TokenSrc<Elem> src = recurrent::global_token<Elem, D>(p, it.batch, t, hk, it.hv);
+  TokenRaw<Elem> r;
+  r.q = *reinterpret_cast<const Four*>(src.q + c0);
+  r.k = *reinterpret_cast<const Four*>(src.k + c0);
+  if (p.scalar_gate) {
+    r.g = make_uint4(load_bits(src.g, p.g_dtype, 0), 0u, 0u, 0u);
+    r.bias = make_float4(src.bias != nullptr ? src.bias[0] : 0.f, 0.f, 0.f, 0.f);
+  } else {
+    if (p.g_dtype == DType::kFloat32) {
+      r.g = *reinterpret_cast<const uint4*>(static_cast<const float*>(src.g) + c0);
+    } else {
+      const uint2 h = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(src.g) + c0);
+      r.g = make_uint4(h.x, h.y, 0u, 0u);
+    }
+    r.bias = src.bias != nullptr ? *reinterpret_cast<const float4*>(src.bias + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  r.beta = load_bits(p.beta, p.beta_dtype, it.batch * p.beta_batch_stride + t * p.beta_token_stride + it.hv);
+  r.a_log = p.A_log != nullptr ? p.A_log[it.hv] : 0.f;
+  const Elem* v = static_cast<const Elem*>(p.v) + it.batch * p.v_batch_stride + t * p.v_token_stride +
+                  int64_t(it.hv) * p.v_head_stride + it.v0;
+#pragma unroll
+  for (int i = 0; i < int(sizeof(Elem)) / 2; ++i) r.v[i] = reinterpret_cast<const uint4*>(v)[i];
+  return r;
+}
+
+// One token's update of an item's rows (KDA_SPEC "Recurrence"); returns the output of row `lane`
+// (lanes below kItemRows). S_d = S ⊙ decay, sk = S_d k, sq = S_d q, u = beta (v − sk),
+// S = S_d + u kᵀ, o = sq + u (k·q).
+template <typename Elem>
+__device__ __forceinline__ float token_update(const RecurrentParams& p, const TokenRaw<Elem>& r, float (&S)[kItemRows][4],
+                                              int lane) {
+  float q[4], k[4], g[4], d[4];
+  unpack4<Elem>(r.q, q);
+  unpack4<Elem>(r.k, k);
+  const float a = p.A_log != nullptr ? __expf(r.a_log) : 1.f;
+  const float bias[4] = {r.bias.x, r.bias.y, r.bias.z, r.bias.w};
+  if (p.scalar_gate) {
+    const float decay = __expf(log_decay(p, bits_to_float(r.g.x, p.g_dtype), bias[0], a));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = decay;
+  } else {
+    unpack_gate4(r.g, p.g_dtype, g);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = __expf(log_decay(p, g[e], bias[e], a));
+  }
+  float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) qq += q[e] * q[e], kk += k[e] * k[e], qk += q[e] * k[e];
+  float q_scale = p.scale, k_scale = 1.f;
+  if (p.l2norm) {
+    q_scale *= rsqrtf(recurrent::group_sum<32>(qq) + kL2NormEps);
+    k_scale = rsqrtf(recurrent::group_sum<32>(kk) + kL2NormEps);
+  }
+  const float kq = recurrent::group_sum<32>(qk) * q_scale * k_scale;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) q[e] *= q_scale, k[e] *= k_scale;
+  const float beta = beta_value(p, bits_to_float(r.beta, p.beta_dtype));
+  const Elem* v = reinterpret_cast<const Elem*>(r.v);
+
+  float sk[kItemRows], sq[kItemRows];
+#pragma unroll
+  for (int j = 0; j < kItemRows; ++j) {
+    sk[j] = sq[j] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      S[j][e] *= d[e];
+      sk[j] += S[j][e] * k[e];
+      sq[j] += S[j][e] * q[e];
+    }
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1)
+#pragma unroll
+    for (int j = 0; j < kItemRows; ++j) {
+      sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], m);
+      sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], m);
+    }
+  float out = 0.f;
+#pragma unroll
+  for (int j = 0; j < kItemRows; ++j) {
+    const float u = beta * (to_float(v[j]) - sk[j]);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) S[j][e] += k[e] * u;
+    if (lane == j) out = sq[j] + u * kq;
+  }
+  return out;
+}
+
+template <typename Elem>
+__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
+    decode_step_stream(const RecurrentParams p, const uint32_t num_items) {
+  const int lane = threadIdx.x % 32;
+  const uint32_t stride = gridDim.x * kWarps;
+  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const float* state_in = static_cast<const float*>(p.state_in);
+  float* state_out = static_cast<float*>(p.state_out);
+
+  uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32;
+  if (item >= num_items) return;
+  Item cur = resolve_item(p, item), next{};
+  if (item + stride < num_items) next = resolve_item(p, item + stride);
+
+  // This lane's 16 bytes of row j of an item's state.
+  auto offset = [&](const Item& it, int slot, int j) {
+    return int64_t(slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0 + j) * D + kKeysPerLane * lane;
+  };
+  float S[kItemRows][4];
+  TokenRaw<Elem> tok;
+  // An item's loads: its state rows and its first token.
+  auto load_item = [&](const Item& it) {
+#pragma unroll
+    for (int j = 0; j < kItemRows; ++j) {
+      if (it.read_slot >= 0) {
+        const float4 x = __ldcs(reinterpret_cast<const float4*>(state_in + offset(it, it.read_slot, j)));
+        S[j][0] = x.x, S[j][1] = x.y, S[j][2] = x.z, S[j][3] = x.w;
+      } else {
+        S[j][0] = S[j][1] = S[j][2] = S[j][3] = 0.f;
+      }
+    }
+    if (!it.skip && it.len > 0) tok = load_token<Elem>(p, it, it.bos, lane);
+  };
+  load_item(cur);
+
+  while (true) {
+    Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 + lane;
+    if (cur.skip) {
+      if (lane < kItemRows)
+        for (int i = 0; i < cur.len; ++i) o[(cur.bos + i) * p.o_token_stride] = from_float<Elem>(0.f);
+    } else {
+      for (int i = 0; i < cur.len; ++i) {
+        if (i > 0) tok = load_token<Elem>(p, cur, cur.bos + i, lane);
+        const float out = token_update<Elem>(p, tok, S, lane);
+        if (lane < kItemRows) o[(cur.bos + i) * p.o_token_stride] = from_float<Elem>(out);
+      }
+      if (cur.write_slot >= 0) {
+#pragma unroll
+        for (int j = 0; j < kItemRows; ++j)
+          __stcs(reinterpret_cast<float4*>(state_out + offset(cur, cur.write_slot, j)),
+                 make_float4(S[j][0], S[j][1], S[j][2], S[j][3]));
+      }
+    }
+
+    item += stride;
+    if (item >= num_items) break;
+    cur = next;
+    if (item + stride < num_items) next = resolve_item(p, item + stride);
+    load_item(cur);
+  }
+}
+
+// The cases this kernel serves: decode-sized calls (kMaxMeanTokens), one slot per sequence, fp32
+// states, vector accesses (16-byte aligned states and token rows).
+template <typename Elem>
+bool covers(const RecurrentParams& p) {
+  using recurrent::aligned16;
+  if (p.D != D || !p.state_v_first) return false;
+  if (p.slot_indices != nullptr && p.idx_cols > 0) return false;  // per-token slots
+  if (p.H <= 0 || p.HV % p.H != 0) return false;
+  if (int64_t(p.N) * p.HV * kBlocksV >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
+  if (p.num_slots >= (int64_t(1) << 31)) return false;  // 32-bit slots in Item
+  const int64_t tokens = p.cu_seqlens != nullptr ? int64_t(p.T) : int64_t(p.B) * p.T;
+  if (tokens > int64_t(kMaxMeanTokens) * p.N) return false;
+  if (p.state_in != nullptr && (p.state_in_dtype != DType::kFloat32 || !aligned16(p.state_in))) return false;
+  if (p.state_out != nullptr && (p.state_out_dtype != DType::kFloat32 || !aligned16(p.state_out))) return false;
+  return recurrent::token_rows_aligned16<Elem>(p);
+}
+
+// Resident blocks per SM on the current device (queried once per device), 0 if the query fails.
+template <typename Elem>
+int blocks_per_sm() {
+  static std::atomic<int> known[recurrent::kMaxCachedDevices];
+  return recurrent::cached_per_device(known, [] {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream<Elem>, kWarps * 32, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      blocks = 0;
+    }
+    return blocks;
+  });
+}
+
+}  // namespace decode_stream
+
+template <typename Elem>
+cudaError_t run_decode_stream(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
+  launched = false;
+  if (!decode_stream::covers<Elem>(p)) return cudaSuccess;
+  const int per_sm = decode_stream::blocks_per_sm<Elem>();
+  if (per_sm == 0) return cudaSuccess;
+  launched = true;
+  if (p.N == 0) return cudaSuccess;
+  int sms = 0;
+  if (const cudaError_t err = recurrent::sm_count(p, sms); err != cudaSuccess) return err;
+  const uint32_t num_items = uint32_t(int64_t(p.N) * p.HV * decode_stream::kBlocksV);
+  const int64_t blocks_needed = (int64_t(num_items) + decode_stream::kWarps - 1) / decode_stream::kWarps;
+  const unsigned grid = unsigned(std::min<int64_t>(blocks_needed, int64_t(sms) * per_sm));
+  decode_stream::decode_step_stream<Elem><<<grid, decode_stream::kWarps * 32, 0, stream>>>(p, num_items);
+  return cudaGetLastError();
+}
+
+}  // namespace flashkda
