@@ -11,12 +11,14 @@ the run-time switches read from the environment at import.
   0 runs each chain whole; ``auto`` (default, stored as -1) segments few long (sequence, head)
   chains, as under tensor parallelism, by a cost model in the binding (``auto_segment_chunks``).
 * ``FLASHKDA_KERNEL_FAMILY=auto|sm80|sm90``: the kernel family. ``sm90`` (and ``auto``, the
-  default) runs the sm_90 kernels on an sm_90 device with an sm_90a build: the bulk-copy decode
-  kernel for the cases it covers (decode-sized calls of at most 8 tokens per sequence on average,
-  V-first state, K = V = 128, one slot per sequence, fp32 or bf16 state of one dtype, 16-byte
-  aligned states) and the chunked recurrence with bulk-copy record loads and warpgroup MMAs
-  (wgmma); the sm_80 kernels serve everything else. ``sm80`` always runs the sm_80 kernels
-  (cp.async, mma.sync), also on an H100 / H200. ``set_kernel_family`` changes it at run time.
+  default) runs the newer decode kernels for the cases they cover (decode-sized calls of at most 8
+  tokens per sequence on average, V-first state, K = V = 128, one slot per sequence, 16-byte
+  aligned states): the register-streaming kernel for fp32 states on any device (16-byte aligned
+  token rows), the bulk-copy kernel for bf16 states (and fp32 ones with unaligned token rows) on an
+  sm_90 device with an sm_90a build; and there the chunked recurrence with bulk-copy record loads
+  and warpgroup MMAs (wgmma). The sm_80 kernels serve everything else. ``sm80`` always runs the
+  sm_80 kernels (cp.async, mma.sync), also on an H100 / H200. ``set_kernel_family`` changes it at
+  run time.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@
 #ifndef ITEMS_PER_TOKEN
 #define ITEMS_PER_TOKEN 1
 #endif
+#ifndef L2HINT
+#define L2HINT 0
+#endif
 #ifndef STRIDED
 #define STRIDED 0
 #endif
@@ -59,7 +62,13 @@ struct WarpParams {
 constexpr int D = 128;
 
 __device__ __forceinline__ void ld4(const float* p, float (&x)[4]) {
+#if L2HINT  // ask L2 to fetch 256-byte blocks from DRAM
+  float4 v;
+  asm volatile("ld.global.cs.L2::256B.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+#else
   const float4 v = __ldcs(reinterpret_cast<const float4*>(p));
+#endif
   x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
 }
 __device__ __forceinline__ void ld4(const bf16* p, float (&x)[8]) {
@@ -265,6 +274,136 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_warp(const WarpParams
   }
 }
 
+// Double-buffered variant (DBUF=1): a warp holds two items, so the loads of item i+1 are in flight
+// while item i is computed (a warp's step costs max(latency, arithmetic) instead of their sum).
+struct ItemRef {
+  uint32_t item;
+  int n, hv, vb, slot;
+};
+
+template <int R>
+__device__ __forceinline__ void db_issue(const WarpParams& p, const ItemRef& it, float (&S)[R / kRowsPerAccess][kVec],
+                                         RawToken<R / kRowsPerAccess>& raw, int lk, int lr) {
+  constexpr int J = R / kRowsPerAccess;
+  const int64_t base = (int64_t(it.slot) * p.H + it.hv) * D * D + int64_t(it.vb * R + lr) * D + lk * kVec;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    if (it.slot >= 0) ld4(p.pool + base + j * kRowsPerAccess * D, S[j]);
+    else
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) S[j][e] = 0.f;
+  }
+  const int64_t row = (int64_t(it.n) * p.H + it.hv) * D;
+  raw.q.load(p.q + row + lk * kVec);
+  raw.k.load(p.k + row + lk * kVec);
+  raw.g.load(p.g + row + lk * kVec);
+#pragma unroll
+  for (int i = 0; i < kVec / 4; ++i) raw.bias[i] = reinterpret_cast<const float4*>(p.dt_bias + it.hv * D + lk * kVec)[i];
+  raw.beta = __bfloat162float(p.beta[int64_t(it.n) * p.H + it.hv]);
+  raw.a = p.A_log[it.hv];
+#pragma unroll
+  for (int j = 0; j < J; ++j) raw.v[j] = p.v[row + it.vb * R + j * kRowsPerAccess + lr];
+}
+
+template <int R>
+__device__ __forceinline__ void db_process(const WarpParams& p, const ItemRef& it, float (&S)[R / kRowsPerAccess][kVec],
+                                           const RawToken<R / kRowsPerAccess>& raw, int lk, int lr) {
+  constexpr int J = R / kRowsPerAccess, L = kLanesPerRow;
+  float q[kVec], k[kVec], g[kVec], d[kVec];
+  raw.q.unpack(q);
+  raw.k.unpack(k);
+  raw.g.unpack(g);
+  const float a = __expf(raw.a);
+  const float* b = reinterpret_cast<const float*>(raw.bias);
+  float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    qq += q[e] * q[e], kk += k[e] * k[e], qk += q[e] * k[e];
+    d[e] = __expf(p.lower_bound * flashkda::sigmoidf_(a * (g[e] + b[e])));
+  }
+  qq = group_sum<L>(qq), kk = group_sum<L>(kk), qk = group_sum<L>(qk);
+  const float qs = p.scale * rsqrtf(qq + 1e-6f), ks = rsqrtf(kk + 1e-6f);
+  const float kq = qk * qs * ks;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) q[e] *= qs, k[e] *= ks;
+  const float beta = flashkda::sigmoidf_(raw.beta);
+  float sk[J], sq[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    sk[j] = sq[j] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      S[j][e] *= d[e];
+      sk[j] += S[j][e] * k[e];
+      sq[j] += S[j][e] * q[e];
+    }
+  }
+#pragma unroll
+  for (int mm = L / 2; mm >= 1; mm >>= 1)
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      sk[j] += __shfl_xor_sync(~0u, sk[j], mm);
+      sq[j] += __shfl_xor_sync(~0u, sq[j], mm);
+    }
+  float out = 0.f;
+  const int64_t base = (int64_t(it.slot) * p.H + it.hv) * D * D + int64_t(it.vb * R + lr) * D + lk * kVec;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const float u = beta * (__bfloat162float(raw.v[j]) - sk[j]);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) S[j][e] += k[e] * u;
+    if (it.slot >= 0) st4(p.pool + base + j * kRowsPerAccess * D, S[j]);
+    if (lk == j) out = sq[j] + u * kq;
+  }
+  if (lk < J)
+    p.o[(int64_t(it.n) * p.H + it.hv) * D + it.vb * R + lk * kRowsPerAccess + lr] = __float2bfloat16(it.slot >= 0 ? out : 0.f);
+}
+
+template <int R>
+__global__ void __launch_bounds__(WARPS * 32, MINB) decode_warp_db(const WarpParams p) {
+  constexpr int J = R / kRowsPerAccess, L = kLanesPerRow;
+  const int lane = threadIdx.x & 31, lk = lane % L, lr = lane / L;
+  const uint32_t stride = gridDim.x * WARPS;
+  const uint32_t items = uint32_t(p.N) * p.H * (D / R);
+  auto make = [&](uint32_t item) {
+    ItemRef it{item, 0, 0, 0, -1};
+    if (item < items) {
+      coords<R>(p, item, it.n, it.hv, it.vb);
+      it.slot = p.idx[it.n];
+    }
+    return it;
+  };
+  ItemRef a = make(blockIdx.x * WARPS + threadIdx.x / 32);
+  if (a.item >= items) return;
+  ItemRef b = make(a.item + stride);
+  float SA[J][kVec], SB[J][kVec];
+  RawToken<J> ra, rb;
+  db_issue<R>(p, a, SA, ra, lk, lr);
+  if (b.item < items) db_issue<R>(p, b, SB, rb, lk, lr);
+  ItemRef ahead = make(b.item + stride);  // its slot load is on the way
+  while (true) {
+    db_process<R>(p, a, SA, ra, lk, lr);
+    a = ahead;
+    ahead = make(a.item + stride);
+    if (a.item < items) db_issue<R>(p, a, SA, ra, lk, lr);
+    if (b.item >= items) break;
+    db_process<R>(p, b, SB, rb, lk, lr);
+    b = ahead;
+    ahead = make(b.item + stride);
+    if (b.item < items) db_issue<R>(p, b, SB, rb, lk, lr);
+    if (a.item >= items) break;
+  }
+}
+
+#ifndef DBUF
+#define DBUF 0
+#endif
+#if DBUF
+#define WARP_KERNEL decode_warp_db<ROWS>
+#else
+#define WARP_KERNEL decode_warp<ROWS>
+#endif
+
 template <typename T>
 float to_f(T x) { return float(x); }
 float to_f(bf16 x) { return __bfloat162float(x); }
@@ -289,17 +428,23 @@ int main(int argc, char** argv) {
 
   WarpParams w{q, k, v, g, beta, A_log, dt_bias, idx, pool2, o2, N, H, slots, p.scale, p.lower_bound};
   int per_sm = 0;
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_warp<ROWS>, WARPS * 32, 0));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, WARP_KERNEL, WARPS * 32, 0));
   if (argc > 3 && std::atoi(argv[3]) > 0) per_sm = std::min(per_sm, std::atoi(argv[3]));  // cap blocks per SM
   cudaFuncAttributes attr;
-  CHECK(cudaFuncGetAttributes(&attr, decode_warp<ROWS>));
-  const unsigned grid = unsigned(std::min<int64_t>(p.num_sms * per_sm, (int64_t(N) * H * (D / ROWS / ITEMS_PER_TOKEN) + WARPS - 1) / WARPS));
+  CHECK(cudaFuncGetAttributes(&attr, WARP_KERNEL));
+  const int64_t units = int64_t(N) * H * (D / ROWS / ITEMS_PER_TOKEN);
+  unsigned grid = unsigned(std::min<int64_t>(p.num_sms * per_sm, (units + WARPS - 1) / WARPS));
+  const bool balanced = argc > 4 && std::atoi(argv[4]) == 1;  // argv[4] = 1: as few warps as give the same rounds
+  if (balanced) {
+    const int64_t rounds = (units + int64_t(grid) * WARPS - 1) / (int64_t(grid) * WARPS);
+    grid = unsigned(((units + rounds - 1) / rounds + WARPS - 1) / WARPS);
+  }
 
   // One step of each from the same pool: outputs and updated states agree?
   using Tune = flashkda::decode_bulk::DefaultTuning<StateT>;
   bool launched = false;
   CHECK((flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched)));
-  decode_warp<ROWS><<<grid, WARPS * 32>>>(w);
+  WARP_KERNEL<<<grid, WARPS * 32>>>(w);
   CHECK(cudaDeviceSynchronize());
   double od = 0, on = 0, sd = 0, sn = 0;
   if (N <= 256) {  // the comparison runs on the host
@@ -321,11 +466,12 @@ int main(int argc, char** argv) {
 
   const double floor_ms = c.floor_bytes() / copy_bandwidth() * 1e3;
   const float ms_bulk = median_ms([&] { flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched); }, 50);
-  const float ms_warp = median_ms([&] { decode_warp<ROWS><<<grid, WARPS * 32>>>(w); }, 50);
+  const float ms_warp = median_ms([&] { WARP_KERNEL<<<grid, WARPS * 32>>>(w); }, 50);
   const float ms_bulk2 = median_ms([&] { flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched); }, 50);
-  const float ms_warp2 = median_ms([&] { decode_warp<ROWS><<<grid, WARPS * 32>>>(w); }, 50);
+  const float ms_warp2 = median_ms([&] { WARP_KERNEL<<<grid, WARPS * 32>>>(w); }, 50);
   CHECK(cudaGetLastError());
-  std::printf("[M=%d] %s%s%s", ITEMS_PER_TOKEN, STRIDED ? "[strided rows] " : "", NOMATH == 1 ? "[no token loads] " : NOMATH == 2 ? "[access pattern only] " : "",
+  std::printf("%s[M=%d] %s%s%s%s", DBUF ? "[double-buffered] " : "", ITEMS_PER_TOKEN, L2HINT ? "[L2::256B] " : "", balanced ? "[balanced grid] " : "",
+              STRIDED ? "[strided rows] " : "", NOMATH == 1 ? "[no token loads] " : NOMATH == 2 ? "[access pattern only] " : "",
               shuffled ? "" : "[slots in order] ");
   std::printf("state %-4s rows %2d warps %d regs %3d blocks/SM %2d N=%4d: warp %.4f/%.4f ms (%.0f%%) bulk %.4f/%.4f ms "
               "(%.0f%%) floor %.4f | rel diff o %.1e state %.1e\n",

@@ -8,9 +8,9 @@
 // the state takes a detour through shared memory (bulk copies in and out). Here each warp owns one
 // work item at a time in registers, and issues the next item's state and token loads as soon as the
 // current item is stored, with that item's slot (and sequence bounds) resolved one item earlier, so
-// a warp almost always has its next 4 KB on the way. Measured on the H200 (BENCHMARK_H200.md):
-// 87-90% of the copy floor where decode_bulk.cuh reaches 78-83%; the same loop without token loads
-// or arithmetic (the access pattern alone) is only 1-2% faster.
+// a warp almost always has its next 4 KB on the way. Measured on the H200 (BENCHMARK_H200.md,
+// CUDA-graph replays at N = 64-1024): 86-90% of the copy floor where decode_bulk.cuh reaches 80-82%;
+// the same loop without token loads or arithmetic (the access pattern alone) is only 1-2% faster.
 //
 // Work item: (sequence n, value head hv, block of kItemRows value rows), kItemRows * D contiguous
 // fp32 state elements. Lane l holds keys 4l .. 4l+3 of every row of its item, so a warp access is
@@ -40,8 +40,8 @@ namespace decode_stream {
 constexpr int D = kDecodeBulkHeadDim;
 constexpr int kWarps = 8;        // warps per block
 constexpr int kBlocksPerSm = 2;  // with 256 threads: a cap of 128 registers
-// 8 rows (4 KB) per item. Measured on the H200 (bench/harness/decode_warp_probe.cu, N = 256): 4
-// rows, 3 blocks/SM 0.289-0.301 ms; 8 rows, 2 blocks/SM 0.283-0.287; 16 rows, 1 block/SM 0.300.
+// 8 rows (4 KB) per item. Measured on the H200 (bench/harness/decode_warp_probe.cu, N = 256): 8
+// rows, 2 blocks/SM 0.281-0.286 ms; 4 rows, 3-4 blocks/SM 0.287-0.301; 16 rows, 2 blocks/SM 0.306.
 constexpr int kItemRows = 8;
 constexpr int kBlocksV = D / kItemRows;
 constexpr int kKeysPerLane = D / 32;
