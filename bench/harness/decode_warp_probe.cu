@@ -136,6 +136,29 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
+// S ⊙ decay in place, then S_d k and S_d q of every row, summed over the lanes of a row.
+template <int J>
+__device__ __forceinline__ void decayed_row_sums(float (&S)[J][kVec], const float (&d)[kVec], const float (&k)[kVec],
+                                                 const float (&q)[kVec], float (&sk)[J], float (&sq)[J]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    sk[j] = sq[j] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      S[j][e] *= d[e];
+      sk[j] += S[j][e] * k[e];
+      sq[j] += S[j][e] * q[e];
+    }
+  }
+#pragma unroll
+  for (int mm = kLanesPerRow / 2; mm >= 1; mm >>= 1)
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      sk[j] += __shfl_xor_sync(~0u, sk[j], mm);
+      sq[j] += __shfl_xor_sync(~0u, sq[j], mm);
+    }
+}
+
 template <int R>
 __global__ void __launch_bounds__(WARPS * 32, MINB) decode_warp(const WarpParams p) {
   constexpr int KB = D / R, J = R / kRowsPerAccess, L = kLanesPerRow, M = ITEMS_PER_TOKEN;
@@ -225,23 +248,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_warp(const WarpParams
     }
 #else
     float sk[J], sq[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      sk[j] = sq[j] = 0.f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        S[j][e] *= d[e];
-        sk[j] += S[j][e] * k[e];
-        sq[j] += S[j][e] * q[e];
-      }
-    }
-#pragma unroll
-    for (int mm = L / 2; mm >= 1; mm >>= 1)
-#pragma unroll
-      for (int j = 0; j < J; ++j) {
-        sk[j] += __shfl_xor_sync(~0u, sk[j], mm);
-        sq[j] += __shfl_xor_sync(~0u, sq[j], mm);
-      }
+    decayed_row_sums<J>(S, d, k, q, sk, sq);
     float out = 0.f;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -328,23 +335,7 @@ __device__ __forceinline__ void db_process(const WarpParams& p, const ItemRef& i
   for (int e = 0; e < kVec; ++e) q[e] *= qs, k[e] *= ks;
   const float beta = flashkda::sigmoidf_(raw.beta);
   float sk[J], sq[J];
-#pragma unroll
-  for (int j = 0; j < J; ++j) {
-    sk[j] = sq[j] = 0.f;
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      S[j][e] *= d[e];
-      sk[j] += S[j][e] * k[e];
-      sq[j] += S[j][e] * q[e];
-    }
-  }
-#pragma unroll
-  for (int mm = L / 2; mm >= 1; mm >>= 1)
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      sk[j] += __shfl_xor_sync(~0u, sk[j], mm);
-      sq[j] += __shfl_xor_sync(~0u, sq[j], mm);
-    }
+  decayed_row_sums<J>(S, d, k, q, sk, sq);
   float out = 0.f;
   const int64_t base = (int64_t(it.slot) * p.H + it.hv) * D * D + int64_t(it.vb * R + lr) * D + lk * kVec;
 #pragma unroll
@@ -470,7 +461,7 @@ int main(int argc, char** argv) {
   const float ms_bulk2 = median_ms([&] { flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched); }, 50);
   const float ms_warp2 = median_ms([&] { WARP_KERNEL<<<grid, WARPS * 32>>>(w); }, 50);
   CHECK(cudaGetLastError());
-  std::printf("%s[M=%d] %s%s%s%s", DBUF ? "[double-buffered] " : "", ITEMS_PER_TOKEN, L2HINT ? "[L2::256B] " : "", balanced ? "[balanced grid] " : "",
+  std::printf("%s[M=%d] %s%s%s%s%s", DBUF ? "[double-buffered] " : "", ITEMS_PER_TOKEN, L2HINT ? "[L2::256B] " : "", balanced ? "[balanced grid] " : "",
               STRIDED ? "[strided rows] " : "", NOMATH == 1 ? "[no token loads] " : NOMATH == 2 ? "[access pattern only] " : "",
               shuffled ? "" : "[slots in order] ");
   std::printf("state %-4s rows %2d warps %d regs %3d blocks/SM %2d N=%4d: warp %.4f/%.4f ms (%.0f%%) bulk %.4f/%.4f ms "
