@@ -51,7 +51,7 @@ static_assert(kKeysPerLane == 4 && kItemRows <= 32, "lane layout: 4 keys per lan
 constexpr int kMaxMeanTokens = 8;
 
 // A resolved work item, compact (it is carried one item ahead in registers): 32-bit fields where
-// covers() bounds the values (batch rows, tokens and slots are far below 2^31).
+// the values fit (batch rows and lengths: B and T are int32; slots: covers() bounds num_slots).
 struct Item {
   int64_t bos;     // first token of the sequence within its batch row
   int batch, len;  // batch row, number of tokens
