@@ -136,6 +136,32 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
+// A lane's share of one token: q and k normalised (q scaled), the decays of its channels, beta
+// and k·q (lower-bound gate with A_log and dt_bias, l2norm, beta sigmoid).
+template <int J>
+__device__ __forceinline__ void prepare_token(const WarpParams& p, const RawToken<J>& raw, float (&q)[kVec],
+                                              float (&k)[kVec], float (&d)[kVec], float& beta, float& kq) {
+  constexpr int L = kLanesPerRow;
+  float g[kVec];
+  raw.q.unpack(q);
+  raw.k.unpack(k);
+  raw.g.unpack(g);
+  const float a = __expf(raw.a);
+  const float* b = reinterpret_cast<const float*>(raw.bias);
+  float qq = 0.f, kk = 0.f, qk = 0.f;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    qq += q[e] * q[e], kk += k[e] * k[e], qk += q[e] * k[e];
+    d[e] = __expf(p.lower_bound * flashkda::sigmoidf_(a * (g[e] + b[e])));
+  }
+  qq = group_sum<L>(qq), kk = group_sum<L>(kk), qk = group_sum<L>(qk);
+  const float qs = p.scale * rsqrtf(qq + 1e-6f), ks = rsqrtf(kk + 1e-6f);
+  kq = qk * qs * ks;
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) q[e] *= qs, k[e] *= ks;
+  beta = flashkda::sigmoidf_(raw.beta);
+}
+
 // S ⊙ decay in place, then S_d k and S_d q of every row, summed over the lanes of a row.
 template <int J>
 __device__ __forceinline__ void decayed_row_sums(float (&S)[J][kVec], const float (&d)[kVec], const float (&k)[kVec],
@@ -217,24 +243,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) decode_warp(const WarpParams
   float q[kVec], k[kVec], d[kVec], beta = 0.f, kq = 0.f;
   while (true) {
     if (m == 0) {
-      float g[kVec];
-      raw.q.unpack(q);
-      raw.k.unpack(k);
-      raw.g.unpack(g);
-      const float a = __expf(raw.a);
-      const float* b = reinterpret_cast<const float*>(raw.bias);
-      float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        qq += q[e] * q[e], kk += k[e] * k[e], qk += q[e] * k[e];
-        d[e] = __expf(p.lower_bound * flashkda::sigmoidf_(a * (g[e] + b[e])));
-      }
-      qq = group_sum<L>(qq), kk = group_sum<L>(kk), qk = group_sum<L>(qk);
-      const float qs = p.scale * rsqrtf(qq + 1e-6f), ks = rsqrtf(kk + 1e-6f);
-      kq = qk * qs * ks;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) q[e] *= qs, k[e] *= ks;
-      beta = flashkda::sigmoidf_(raw.beta);
+      prepare_token<J>(p, raw, q, k, d, beta, kq);
     }
     const int64_t base = (int64_t(slot) * p.H + hv) * D * D + int64_t(first_row(vb)) * D + lk * kVec;
 #if NOMATH == 2
@@ -316,24 +325,8 @@ template <int R>
 __device__ __forceinline__ void db_process(const WarpParams& p, const ItemRef& it, float (&S)[R / kRowsPerAccess][kVec],
                                            const RawToken<R / kRowsPerAccess>& raw, int lk, int lr) {
   constexpr int J = R / kRowsPerAccess, L = kLanesPerRow;
-  float q[kVec], k[kVec], g[kVec], d[kVec];
-  raw.q.unpack(q);
-  raw.k.unpack(k);
-  raw.g.unpack(g);
-  const float a = __expf(raw.a);
-  const float* b = reinterpret_cast<const float*>(raw.bias);
-  float qq = 0.f, kk = 0.f, qk = 0.f;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    qq += q[e] * q[e], kk += k[e] * k[e], qk += q[e] * k[e];
-    d[e] = __expf(p.lower_bound * flashkda::sigmoidf_(a * (g[e] + b[e])));
-  }
-  qq = group_sum<L>(qq), kk = group_sum<L>(kk), qk = group_sum<L>(qk);
-  const float qs = p.scale * rsqrtf(qq + 1e-6f), ks = rsqrtf(kk + 1e-6f);
-  const float kq = qk * qs * ks;
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) q[e] *= qs, k[e] *= ks;
-  const float beta = flashkda::sigmoidf_(raw.beta);
+  float q[kVec], k[kVec], d[kVec], beta, kq;
+  prepare_token<J>(p, raw, q, k, d, beta, kq);
   float sk[J], sq[J];
   decayed_row_sums<J>(S, d, k, q, sk, sq);
   float out = 0.f;
