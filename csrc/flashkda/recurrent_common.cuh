@@ -231,7 +231,7 @@ __device__ __forceinline__ void vfirst_token_update(float (&S)[kRows][kChunks][k
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host-side checks of the decode kernels that load token rows with vector accesses
+// Host-side helpers of the persistent decode kernels (decode_stream.cuh, decode_bulk.cuh)
 // ---------------------------------------------------------------------------------------------
 
 // A per-device value (a kernel's resident blocks per SM), computed by `query` on the first call on
