@@ -58,11 +58,6 @@ struct Tuning {
 template <typename StateT>
 using DefaultTuning = Tuning<4, sizeof(StateT) == 4 ? 32 : 64, 2>;
 
-// Mean tokens per sequence up to which this kernel takes a call (decode, speculative verification).
-// A long sequence is a chain of token latencies in either kernel, and the sm_80 kernel keeps more
-// such chains per SM in flight (8 blocks against 2-3 here).
-constexpr int kMaxMeanTokens = 8;
-
 constexpr int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
 // What the producer resolved about one work item; lives in its stage.
@@ -446,20 +441,11 @@ constexpr DType state_dtype() {
   return std::is_same<StateT, float>::value ? DType::kFloat32 : DType::kBFloat16;
 }
 
-// The cases this kernel serves: decode-sized calls (kMaxMeanTokens), one slot per sequence, one
-// state dtype; the bulk copies need 16-byte aligned state tensors.
+// The cases this kernel serves (recurrent::persistent_decode_covers, one state dtype; the bulk
+// copies need its 16-byte alignment).
 template <typename StateT>
 bool covers(const RecurrentParams& p, int blocks_v) {
-  constexpr DType kState = state_dtype<StateT>();
-  if (p.D != kDecodeBulkHeadDim || !p.state_v_first) return false;
-  if (p.slot_indices != nullptr && p.idx_cols > 0) return false;  // per-token slots
-  if (p.H <= 0 || p.HV % p.H != 0) return false;
-  if (int64_t(p.N) * p.HV * blocks_v >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
-  const int64_t tokens = p.cu_seqlens != nullptr ? int64_t(p.T) : int64_t(p.B) * p.T;
-  if (tokens > int64_t(kMaxMeanTokens) * p.N) return false;
-  if (p.state_in != nullptr && (p.state_in_dtype != kState || !recurrent::aligned16(p.state_in))) return false;
-  if (p.state_out != nullptr && (p.state_out_dtype != kState || !recurrent::aligned16(p.state_out))) return false;
-  return true;
+  return recurrent::persistent_decode_covers(p, blocks_v, state_dtype<StateT>());
 }
 
 // Resident blocks per SM on the current device, or 0 when the device has no sm_90 code of the

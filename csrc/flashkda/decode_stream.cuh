@@ -46,9 +46,6 @@ constexpr int kItemRows = 8;
 constexpr int kBlocksV = D / kItemRows;
 constexpr int kKeysPerLane = D / 32;
 static_assert(kKeysPerLane == 4 && kItemRows <= 32, "lane layout: 4 keys per lane, one output row per lane");
-// Mean tokens per sequence up to which this kernel takes a call: a long sequence is a chain of
-// token latencies, and decode_step_vfirst keeps more such chains per SM in flight.
-constexpr int kMaxMeanTokens = 8;
 
 // A resolved work item, compact (it is carried one item ahead in registers): 32-bit fields where
 // the values fit (batch rows and lengths: B and T are int32; slots: covers() bounds num_slots).
@@ -277,21 +274,12 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   }
 }
 
-// The cases this kernel serves: decode-sized calls (kMaxMeanTokens), one slot per sequence, fp32
-// states, vector accesses (16-byte aligned states and token rows).
+// The cases this kernel serves: recurrent::persistent_decode_covers with fp32 states, slots that fit
+// Item's 32 bits, and 16-byte aligned token rows (vector loads).
 template <typename Elem>
 bool covers(const RecurrentParams& p) {
-  using recurrent::aligned16;
-  if (p.D != D || !p.state_v_first) return false;
-  if (p.slot_indices != nullptr && p.idx_cols > 0) return false;  // per-token slots
-  if (p.H <= 0 || p.HV % p.H != 0) return false;
-  if (int64_t(p.N) * p.HV * kBlocksV >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
-  if (p.num_slots >= (int64_t(1) << 31)) return false;  // 32-bit slots in Item
-  const int64_t tokens = p.cu_seqlens != nullptr ? int64_t(p.T) : int64_t(p.B) * p.T;
-  if (tokens > int64_t(kMaxMeanTokens) * p.N) return false;
-  if (p.state_in != nullptr && (p.state_in_dtype != DType::kFloat32 || !aligned16(p.state_in))) return false;
-  if (p.state_out != nullptr && (p.state_out_dtype != DType::kFloat32 || !aligned16(p.state_out))) return false;
-  return recurrent::token_rows_aligned16<Elem>(p);
+  return recurrent::persistent_decode_covers(p, kBlocksV, DType::kFloat32) && p.num_slots < (int64_t(1) << 31) &&
+         recurrent::token_rows_aligned16<Elem>(p);
 }
 
 // Resident blocks per SM on the current device (queried once per device), 0 if the query fails.

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "api.h"
 #include "constants.h"
 #include "recurrent_params.h"
 #include "token_math.cuh"
@@ -265,6 +266,27 @@ inline cudaError_t sm_count(const RecurrentParams& p, int& sms) {
 }
 
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Mean tokens per sequence up to which the persistent decode kernels take a call (decode,
+// speculative verification). A long sequence is a chain of token latencies, and decode_step_vfirst
+// keeps more such chains per SM in flight.
+constexpr int kMaxDecodeMeanTokens = 8;
+
+// The calls both persistent decode kernels can serve: V-first, K = V = kDecodeBulkHeadDim, one slot
+// per sequence, decode-sized (kMaxDecodeMeanTokens), fewer than 2^31 work items of `blocks_v`
+// value blocks per (sequence, head), and every state tensor given of dtype `state`, 16-byte
+// aligned.
+inline bool persistent_decode_covers(const RecurrentParams& p, int blocks_v, DType state) {
+  if (p.D != kDecodeBulkHeadDim || !p.state_v_first) return false;
+  if (p.slot_indices != nullptr && p.idx_cols > 0) return false;  // per-token slots
+  if (p.H <= 0 || p.HV % p.H != 0) return false;
+  if (int64_t(p.N) * p.HV * blocks_v >= (int64_t(1) << 31)) return false;  // 32-bit item numbers
+  const int64_t tokens = p.cu_seqlens != nullptr ? int64_t(p.T) : int64_t(p.B) * p.T;
+  if (tokens > int64_t(kMaxDecodeMeanTokens) * p.N) return false;
+  if (p.state_in != nullptr && (p.state_in_dtype != state || !aligned16(p.state_in))) return false;
+  if (p.state_out != nullptr && (p.state_out_dtype != state || !aligned16(p.state_out))) return false;
+  return true;
+}
 
 // A stride keeps 16-byte aligned rows aligned, or is never taken (extent 1).
 inline bool stride_ok(int64_t stride, int elem_bytes, int64_t extent) {
