@@ -1,7 +1,7 @@
 // The decode benchmark's case for the standalone harnesses (bench/test_decode.py's rows): H = 32,
 // K = V = 128, bf16 q / k / v / g / beta, a V-first pool of N + 8 slots of StateT with int32 slot
 // indices (shuffled unless asked otherwise), lower-bound gate -5 with A_log / dt_bias, l2norm and
-// beta sigmoid, one token per sequence.
+// beta sigmoid, T tokens per sequence (one by default; more: speculative-decoding verification).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,8 +24,8 @@ __global__ void fill_state(T* x, size_t n) {
 template <typename StateT>
 struct DecodeCase {
   static constexpr int H = 32, D = 128;
-  int N = 0, slots = 0;
-  size_t tok = 0, state = 0;  // elements of a token tensor, of the pool
+  int N = 0, T = 1, slots = 0;
+  size_t tok = 0, state = 0;  // elements of a token tensor [N, T, H, D], of the pool
   __nv_bfloat16 *q = nullptr, *k = nullptr, *v = nullptr, *g = nullptr, *beta = nullptr, *o = nullptr;
   StateT* pool = nullptr;
   float *A_log = nullptr, *dt_bias = nullptr;
@@ -33,23 +33,23 @@ struct DecodeCase {
   flashkda::RecurrentParams p{};
 
   // Allocates and fills everything; returns false (after printing the failing call) on an error.
-  bool init(int n, bool shuffled) {
-    N = n, slots = n + 8;
-    tok = size_t(N) * H * D, state = size_t(slots) * H * D * D;
+  bool init(int n, bool shuffled, int tokens = 1) {
+    N = n, T = tokens, slots = n + 8;
+    tok = size_t(N) * T * H * D, state = size_t(slots) * H * D * D;
     auto ok = [](cudaError_t e) {
       if (e != cudaSuccess) std::fprintf(stderr, "decode case: %s\n", cudaGetErrorString(e));
       return e == cudaSuccess;
     };
     for (auto** ptr : {&q, &k, &v, &g, &o})
       if (!ok(cudaMalloc(ptr, tok * 2))) return false;
-    if (!ok(cudaMalloc(&beta, size_t(N) * H * 2)) || !ok(cudaMalloc(&pool, state * sizeof(StateT))) ||
+    if (!ok(cudaMalloc(&beta, size_t(N) * T * H * 2)) || !ok(cudaMalloc(&pool, state * sizeof(StateT))) ||
         !ok(cudaMalloc(&A_log, H * 4)) || !ok(cudaMalloc(&dt_bias, H * D * 4)) || !ok(cudaMalloc(&idx, N * 4)))
       return false;
     fill_normal_bf16<<<512, 256>>>(q, tok, 1, 1.f);
     fill_normal_bf16<<<512, 256>>>(k, tok, 2, 1.f);
     fill_normal_bf16<<<512, 256>>>(v, tok, 3, 1.f);
     fill_normal_bf16<<<512, 256>>>(g, tok, 4, 1.f);
-    fill_normal_bf16<<<512, 256>>>(beta, size_t(N) * H, 5, 1.f);
+    fill_normal_bf16<<<512, 256>>>(beta, size_t(N) * T * H, 5, 1.f);
     fill_state<<<1024, 256>>>(pool, state);
     if (!ok(cudaMemset(A_log, 0, H * 4)) || !ok(cudaMemset(dt_bias, 0, H * D * 4))) return false;
     std::vector<int32_t> perm(slots);
@@ -58,13 +58,13 @@ struct DecodeCase {
     if (!ok(cudaMemcpy(idx, perm.data(), N * 4, cudaMemcpyHostToDevice))) return false;
 
     p.q = q; p.k = k; p.v = v; p.g = g; p.beta = beta; p.o = o;
-    p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.g_batch_stride = p.o_batch_stride = int64_t(H) * D;
+    p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.g_batch_stride = p.o_batch_stride = int64_t(T) * H * D;
     p.q_token_stride = p.k_token_stride = p.v_token_stride = p.g_token_stride = p.o_token_stride = int64_t(H) * D;
     p.q_head_stride = p.k_head_stride = p.v_head_stride = p.g_head_stride = p.o_head_stride = D;
-    p.beta_batch_stride = H; p.beta_token_stride = H;
+    p.beta_batch_stride = int64_t(T) * H; p.beta_token_stride = H;
     p.A_log = A_log; p.dt_bias = dt_bias;
     p.state_in = pool; p.state_out = pool; p.slot_indices = idx; p.idx_row_stride = 1; p.num_slots = slots;
-    p.B = N; p.T = 1; p.N = N; p.H = H; p.HV = H; p.D = D;
+    p.B = N; p.T = T; p.N = N; p.H = H; p.HV = H; p.D = D;
     p.scale = 1.f / sqrtf(float(D)); p.lower_bound = -5.f; p.beta_scale = 1.f;
     p.gate_mode = flashkda::GateMode::kLowerBound; p.l2norm = true; p.beta_sigmoid = true; p.state_v_first = true;
     p.g_dtype = p.beta_dtype = flashkda::DType::kBFloat16;
@@ -74,7 +74,7 @@ struct DecodeCase {
   }
 
   // Bytes a step must move: the state read and written once, the token tensors, beta.
-  double floor_bytes() const { return 2.0 * N * H * D * D * sizeof(StateT) + double(tok) * 2 * 5 + N * H * 2; }
+  double floor_bytes() const { return 2.0 * N * H * D * D * sizeof(StateT) + double(tok) * 2 * 5 + double(N) * T * H * 2; }
 };
 
 // Copy bandwidth (read + write, bytes/s) of cudaMemcpy on 2 GiB, for the floors.

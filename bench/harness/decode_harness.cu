@@ -2,15 +2,18 @@
 // decode_stream.cuh with an fp32 state, without PyTorch:
 // bench/test_decode.py's case (H = 32, K = V = 128, bf16 tokens, V-first pool of N + 8 slots with
 // shuffled int32 slot indices, lower-bound gate with A_log / dt_bias, l2norm, beta sigmoid), fp32 or
-// bf16 pool. Prints the median kernel time of back-to-back launches and the fraction of the floor
-// (state read and written once plus the token tensors, at the measured copy bandwidth).
+// bf16 pool, T tokens per sequence (argv[2], default 1). Prints the median kernel time of
+// back-to-back launches and the fraction of the floor (state read and written once plus the token
+// tensors, at the measured copy bandwidth), and how far decode_stream's output and state are from
+// decode_bulk's after one step from the same pool.
 //   nvcc -std=c++17 -O3 -Icsrc -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -DCONSUMER_WARPS=4 -DITEM_ROWS=32 -DBLOCKS_PER_SM=2 -DSTATE=float bench/harness/decode_harness.cu \
-//        -o dh && ./dh 1024
+//        -o dh && ./dh 1024 [T]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <numeric>
@@ -36,38 +39,69 @@
 using Tune = flashkda::decode_bulk::Tuning<CONSUMER_WARPS, ITEM_ROWS, BLOCKS_PER_SM>;
 using StateT = STATE;
 
+// Relative L2 difference of two device arrays of T (read back to the host).
+template <typename T>
+double rel_diff(const T* a, const T* b, size_t n) {
+  std::vector<T> ha(n), hb(n);
+  if (cudaMemcpy(ha.data(), a, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(hb.data(), b, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return -1.0;
+  double d = 0, r = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = float(ha[i]), y = float(hb[i]);
+    d += (x - y) * (x - y), r += x * x;
+  }
+  return std::sqrt(d / r);
+}
+
 int main(int argc, char** argv) {
+  // argv: N [T tokens per sequence]
   DecodeCase<StateT> c;
-  if (!c.init(argc > 1 ? std::atoi(argv[1]) : 1024, true)) return 1;
+  if (!c.init(argc > 1 ? std::atoi(argv[1]) : 1024, true, argc > 2 ? std::atoi(argv[2]) : 1)) return 1;
   const int N = c.N;
   flashkda::RecurrentParams& p = c.p;
   const double bw = copy_bandwidth();
+  using bf16 = __nv_bfloat16;
 
+  // One step of each kernel from the same pool: outputs and updated states must agree.
+  StateT *pool0 = nullptr, *pool_bulk = nullptr;
+  bf16* o_bulk = nullptr;
+  CHECK(cudaMalloc(&pool0, c.state * sizeof(StateT)));
+  CHECK(cudaMalloc(&pool_bulk, c.state * sizeof(StateT)));
+  CHECK(cudaMalloc(&o_bulk, c.tok * 2));
+  CHECK(cudaMemcpy(pool0, c.pool, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
   bool launched = false;
-  CHECK((flashkda::run_decode_bulk_tuned<__nv_bfloat16, StateT, Tune>(p, 0, launched)));
+  CHECK((flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched)));
   CHECK(cudaDeviceSynchronize());
   if (!launched) {
     std::printf("tuning not launched (no sm_90 image or case not covered)\n");
     return 1;
   }
-  const float ms = median_ms([&] { flashkda::run_decode_bulk_tuned<__nv_bfloat16, StateT, Tune>(p, 0, launched); }, 50);
-  CHECK(cudaGetLastError());
-  // The register-streaming kernel (fp32 states), timed the same way.
-  float ms_stream = 0.f;
+  CHECK(cudaMemcpy(pool_bulk, c.pool, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
+  CHECK(cudaMemcpy(o_bulk, c.o, c.tok * 2, cudaMemcpyDeviceToDevice));
+  CHECK(cudaMemcpy(c.pool, pool0, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
+  // The register-streaming kernel (fp32 states only).
   bool stream_launched = false;
-  CHECK(flashkda::run_decode_stream<__nv_bfloat16>(p, 0, stream_launched));
+  if constexpr (sizeof(StateT) == 4) CHECK(flashkda::run_decode_stream<bf16>(p, 0, stream_launched));
+  CHECK(cudaDeviceSynchronize());
+  const double o_diff = rel_diff(o_bulk, c.o, c.tok), s_diff = rel_diff(pool_bulk, c.pool, c.state);
+
+  const float ms = median_ms([&] { flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched); }, 50);
+  CHECK(cudaGetLastError());
+  float ms_stream = 0.f;
   if (stream_launched) {
-    ms_stream = median_ms([&] { flashkda::run_decode_stream<__nv_bfloat16>(p, 0, stream_launched); }, 50);
+    ms_stream = median_ms([&] { flashkda::run_decode_stream<bf16>(p, 0, stream_launched); }, 50);
     CHECK(cudaGetLastError());
   }
   const double floor_ms = c.floor_bytes() / bw * 1e3;
-  using S = flashkda::decode_bulk::Shape<__nv_bfloat16, StateT, Tune>;
-  std::printf("state %-5s tuning (consumers %d, rows %2d, blocks/SM %d, stages %d) N=%4d: %.4f ms, floor %.4f ms "
+  using S = flashkda::decode_bulk::Shape<bf16, StateT, Tune>;
+  std::printf("state %-5s tuning (consumers %d, rows %2d, blocks/SM %d, stages %d) N=%4d T=%d: %.4f ms, floor %.4f ms "
               "(%.0f%%), copy %.2f TB/s\n",
               sizeof(StateT) == 4 ? "fp32" : "bf16", Tune::kConsumerWarps, Tune::kItemRows, Tune::kBlocksPerSm,
-              S::kStages, N, ms, floor_ms, 100.0 * floor_ms / ms, bw / 1e12);
+              S::kStages, N, c.T, ms, floor_ms, 100.0 * floor_ms / ms, bw / 1e12);
   if (stream_launched)
-    std::printf("state fp32  decode_stream (8 warps, 8 rows, 2 blocks/SM)              N=%4d: %.4f ms (%.0f%% of the floor)\n",
-                N, ms_stream, 100.0 * floor_ms / ms_stream);
+    std::printf("state fp32  decode_stream (8 warps, 8 rows, 2 blocks/SM)              N=%4d T=%d: %.4f ms (%.0f%% of the "
+                "floor) | vs bulk: rel diff o %.1e, state %.1e\n",
+                N, c.T, ms_stream, 100.0 * floor_ms / ms_stream, o_diff, s_diff);
   return 0;
 }

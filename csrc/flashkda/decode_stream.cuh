@@ -15,9 +15,11 @@
 // Work item: (sequence n, value head hv, block of kItemRows value rows), kItemRows * D contiguous
 // fp32 state elements. Lane l holds keys 4l .. 4l+3 of every row of its item, so a warp access is
 // one 512-byte row, the token vectors a lane needs are its own four channels (vector loads into
-// registers, no shared memory), and a reduction over K is a warp butterfly. Items are numbered value
-// block fastest: the warps of a block work on neighbouring rows of one head and share its token rows
-// in L1.
+// registers, no shared memory), and a sum over K is a sum over the warp. The 2 kItemRows sums of a
+// token (S_d k and S_d q of each row) are reduced together by halving exchanges (reduce_scatter:
+// 2 kItemRows - 1 shuffles instead of 5 per sum) and leave each sum in known lanes, which compute
+// that row's correction and output. Items are numbered value block fastest: the warps of a block
+// work on neighbouring rows of one head and share its token rows in L1.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,7 +47,41 @@ constexpr int kBlocksPerSm = 2;  // with 256 threads: a cap of 128 registers
 constexpr int kItemRows = 8;
 constexpr int kBlocksV = D / kItemRows;
 constexpr int kKeysPerLane = D / 32;
-static_assert(kKeysPerLane == 4 && kItemRows <= 32, "lane layout: 4 keys per lane, one output row per lane");
+static_assert(kKeysPerLane == 4, "lane layout: 4 keys per lane");
+
+// Where the sums of an item end up (reduce_scatter over the 2 kItemRows values: sk of every row,
+// then sq of every row): value i in lanes i * kLanesPerSum ... (i + 1) * kLanesPerSum - 1.
+constexpr int kLanesPerSum = 32 / (2 * kItemRows);
+static_assert(kLanesPerSum >= 1 && 32 % (2 * kItemRows) == 0, "2 kItemRows sums over 32 lanes");
+// The row whose sk (lanes < 16) or sq (the others) a lane holds, and the lanes that hold sk.
+__device__ __forceinline__ int sum_row(int lane) { return (lane % 16) / kLanesPerSum; }
+__device__ __forceinline__ int sk_lane(int row) { return row * kLanesPerSum; }
+// One lane per row writes the output.
+__device__ __forceinline__ bool writes_output(int lane) { return lane >= 16 && lane % kLanesPerSum == 0; }
+
+// Sums NV values over the warp: afterwards each lane holds the total of value lane / (32 / NV).
+// Each step halves the values a lane carries: it sends one half to the partner lane (lane ^ M) and
+// adds the partner's values of the half it keeps, so NV - 1 shuffles replace 5 NV. (A template
+// recursion, so that every index is a constant and x stays in registers.)
+template <int NV, int M = 16>
+__device__ __forceinline__ float reduce_scatter(float (&x)[NV], int lane) {
+  static_assert(NV >= 1 && (NV == 1 || NV <= 2 * M) && (NV & (NV - 1)) == 0, "a power of two, at most 32");
+  if constexpr (NV == 1) {
+#pragma unroll
+    for (int m = M; m >= 1; m /= 2) x[0] += __shfl_xor_sync(0xffffffffu, x[0], m);
+    return x[0];
+  } else {
+    const bool upper = (lane & M) != 0;
+    float half[NV / 2];
+#pragma unroll
+    for (int i = 0; i < NV / 2; ++i) {
+      const float send = upper ? x[i] : x[i + NV / 2];
+      const float keep = upper ? x[i + NV / 2] : x[i];
+      half[i] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+    }
+    return reduce_scatter<NV / 2, M / 2>(half, lane);
+  }
+}
 
 // A resolved work item, compact (it is carried one item ahead in registers): 32-bit fields where
 // the values fit (batch rows and lengths: B and T are int32; slots: covers() bounds num_slots).
@@ -79,8 +115,8 @@ __device__ __forceinline__ Item resolve_item(const RecurrentParams& p, uint32_t 
   return it;
 }
 
-// Raw bits of one token as a lane loads them (its four key channels, the item's v values), turned
-// into numbers only when used, so that every load of an item goes out before the first wait.
+// Raw bits of one token as a lane loads them (its four key channels, the v value of its row),
+// turned into numbers only when used, so that every load of an item goes out before the first wait.
 template <typename Elem>
 struct TokenRaw {
   using Four = typename std::conditional<sizeof(Elem) == 2, uint2, uint4>::type;  // 4 Elem
@@ -89,7 +125,7 @@ struct TokenRaw {
   float4 bias;     // dt_bias of the 4 channels, scalar gate: .x; zeros without dt_bias
   uint32_t beta;   // beta_dtype bits
   float a_log;     // A_log[hv], 0 without A_log
-  uint4 v[sizeof(Elem) / 2];  // the item's kItemRows values of v
+  Elem v;          // v of the lane's row (sum_row)
 };
 
 __device__ __forceinline__ uint32_t load_bits(const void* base, DType dt, int64_t i) {
@@ -142,16 +178,14 @@ __device__ __forceinline__ TokenRaw<Elem> load_token(const RecurrentParams& p, c
   }
   r.beta = load_bits(p.beta, p.beta_dtype, it.batch * p.beta_batch_stride + t * p.beta_token_stride + it.hv);
   r.a_log = p.A_log != nullptr ? p.A_log[it.hv] : 0.f;
-  const Elem* v = static_cast<const Elem*>(p.v) + it.batch * p.v_batch_stride + t * p.v_token_stride +
-                  int64_t(it.hv) * p.v_head_stride + it.v0;
-#pragma unroll
-  for (int i = 0; i < int(sizeof(Elem)) / 2; ++i) r.v[i] = reinterpret_cast<const uint4*>(v)[i];
+  r.v = static_cast<const Elem*>(p.v)[it.batch * p.v_batch_stride + t * p.v_token_stride + int64_t(it.hv) * p.v_head_stride +
+                                      it.v0 + sum_row(lane)];
   return r;
 }
 
-// One token's update of an item's rows (KDA_SPEC "Recurrence"); returns the output of row `lane`
-// (lanes below kItemRows). S_d = S ⊙ decay, sk = S_d k, sq = S_d q, u = beta (v − sk),
-// S = S_d + u kᵀ, o = sq + u (k·q).
+// One token's update of an item's rows (KDA_SPEC "Recurrence"); returns the output of row
+// sum_row(lane) on the lanes that write it. With the decayed state S_d = S ⊙ d:
+// sk = S_d k = S (d ⊙ k), sq = S (d ⊙ q), u = beta (v − sk), S = S_d + u kᵀ, o = sq + u (k·q).
 template <typename Elem>
 __device__ __forceinline__ float token_update(const RecurrentParams& p, const TokenRaw<Elem>& r, float (&S)[kItemRows][4],
                                               int lane) {
@@ -178,36 +212,30 @@ __device__ __forceinline__ float token_update(const RecurrentParams& p, const To
     k_scale = rsqrtf(recurrent::group_sum<32>(kk) + kL2NormEps);
   }
   const float kq = recurrent::group_sum<32>(qk) * q_scale * k_scale;
+  float dk[4], dq[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) q[e] *= q_scale, k[e] *= k_scale;
-  const float beta = beta_value(p, bits_to_float(r.beta, p.beta_dtype));
-  const Elem* v = reinterpret_cast<const Elem*>(r.v);
+  for (int e = 0; e < 4; ++e) k[e] *= k_scale, dk[e] = d[e] * k[e], dq[e] = d[e] * (q[e] * q_scale);
 
-  float sk[kItemRows], sq[kItemRows];
+  // The 2 kItemRows sums reduced as reduce_scatter<2 kItemRows> would, with its first step (lanes
+  // < 16 keep the sk, the others the sq) taken row by row as the sums come, so that kItemRows
+  // values stay alive instead of twice as many.
+  const bool upper = (lane & 16) != 0;
+  float half[kItemRows];
 #pragma unroll
   for (int j = 0; j < kItemRows; ++j) {
-    sk[j] = sq[j] = 0.f;
+    float sk = 0.f, sq = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      S[j][e] *= d[e];
-      sk[j] += S[j][e] * k[e];
-      sq[j] += S[j][e] * q[e];
-    }
+    for (int e = 0; e < 4; ++e) sk += S[j][e] * dk[e], sq += S[j][e] * dq[e];
+    half[j] = (upper ? sq : sk) + __shfl_xor_sync(0xffffffffu, upper ? sk : sq, 16);
   }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1)
-#pragma unroll
-    for (int j = 0; j < kItemRows; ++j) {
-      sk[j] += __shfl_xor_sync(0xffffffffu, sk[j], m);
-      sq[j] += __shfl_xor_sync(0xffffffffu, sq[j], m);
-    }
-  float out = 0.f;
+  const float mine = reduce_scatter<kItemRows, 8>(half, lane);  // sk (lanes < 16) or sq of sum_row(lane)
+  const float u = beta_value(p, bits_to_float(r.beta, p.beta_dtype)) * (to_float(r.v) - mine);
+  const float out = mine + __shfl_xor_sync(0xffffffffu, u, 16) * kq;
 #pragma unroll
   for (int j = 0; j < kItemRows; ++j) {
-    const float u = beta * (to_float(v[j]) - sk[j]);
+    const float uj = __shfl_sync(0xffffffffu, u, sk_lane(j));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) S[j][e] += k[e] * u;
-    if (lane == j) out = sq[j] + u * kq;
+    for (int e = 0; e < 4; ++e) S[j][e] = S[j][e] * d[e] + k[e] * uj;
   }
   return out;
 }
@@ -247,16 +275,18 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   };
   load_item(cur);
 
+  const bool writer = writes_output(lane);
   while (true) {
-    Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 + lane;
+    Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 +
+              sum_row(lane);
     if (cur.skip) {
-      if (lane < kItemRows)
+      if (writer)
         for (int i = 0; i < cur.len; ++i) o[(cur.bos + i) * p.o_token_stride] = from_float<Elem>(0.f);
     } else {
       for (int i = 0; i < cur.len; ++i) {
         if (i > 0) tok = load_token<Elem>(p, cur, cur.bos + i, lane);
         const float out = token_update<Elem>(p, tok, S, lane);
-        if (lane < kItemRows) o[(cur.bos + i) * p.o_token_stride] = from_float<Elem>(out);
+        if (writer) o[(cur.bos + i) * p.o_token_stride] = from_float<Elem>(out);
       }
       if (cur.write_slot >= 0) {
 #pragma unroll
