@@ -109,7 +109,9 @@ if [[ $what == fla ]]; then
 fi
 if [[ $what == prefill || $what == fla ]]; then
   # PREFILL_MARK="" also runs the T sweep (marked sweep) and draws its plot.
+  # PREFILL_K: a pytest -k expression (e.g. the cases a run cut short by BENCH_LIMIT did not reach).
   FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-300} python3 -m pytest -q bench/test_prefill.py -m "${PREFILL_MARK-not sweep}" \
+    ${PREFILL_K:+-k "$PREFILL_K"} \
     -p no:cacheprovider --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -3
   python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" \
     ${PREFILL_MARK+--plot "$OUT/prefill_vs_T.png"} || rc=1
