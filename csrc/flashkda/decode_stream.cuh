@@ -240,7 +240,13 @@ __device__ __forceinline__ float token_update(const RecurrentParams& p, const To
   return out;
 }
 
-template <typename Elem>
+// Asks L2 to fetch the 128-byte line at `ptr` (no registers, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
+
+// kPrefetchNext: while an item is computed, its successor's state rows are prefetched into L2, so
+// that its loads (issued after this item's stores) find them there (a tuning, timed by
+// bench/harness/decode_harness.cu; the library runs the default).
+template <typename Elem, bool kPrefetchNext = false>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream(const RecurrentParams p, const uint32_t num_items) {
   const int lane = threadIdx.x % 32;
@@ -277,6 +283,11 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 
   const bool writer = writes_output(lane);
   while (true) {
+    if constexpr (kPrefetchNext) {
+      if (item + stride < num_items && next.read_slot >= 0)
+#pragma unroll
+        for (int j = 0; j < kItemRows; ++j) prefetch_l2(state_in + offset(next, next.read_slot, j));
+    }
     Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 +
               sum_row(lane);
     if (cur.skip) {
@@ -313,12 +324,13 @@ bool covers(const RecurrentParams& p) {
 }
 
 // Resident blocks per SM on the current device (queried once per device), 0 if the query fails.
-template <typename Elem>
+template <typename Elem, bool kPrefetchNext>
 int blocks_per_sm() {
   static std::atomic<int> known[recurrent::kMaxCachedDevices];
   return recurrent::cached_per_device(known, [] {
     int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream<Elem>, kWarps * 32, 0) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream<Elem, kPrefetchNext>, kWarps * 32, 0) !=
+        cudaSuccess) {
       (void)cudaGetLastError();
       blocks = 0;
     }
@@ -326,23 +338,28 @@ int blocks_per_sm() {
   });
 }
 
-}  // namespace decode_stream
-
-template <typename Elem>
-cudaError_t run_decode_stream(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
+template <typename Elem, bool kPrefetchNext = false>
+cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
-  if (!decode_stream::covers<Elem>(p)) return cudaSuccess;
-  const int per_sm = decode_stream::blocks_per_sm<Elem>();
+  if (!covers<Elem>(p)) return cudaSuccess;
+  const int per_sm = blocks_per_sm<Elem, kPrefetchNext>();
   if (per_sm == 0) return cudaSuccess;
   launched = true;
   if (p.N == 0) return cudaSuccess;
   int sms = 0;
   if (const cudaError_t err = recurrent::sm_count(p, sms); err != cudaSuccess) return err;
-  const uint32_t num_items = uint32_t(int64_t(p.N) * p.HV * decode_stream::kBlocksV);
-  const int64_t blocks_needed = (int64_t(num_items) + decode_stream::kWarps - 1) / decode_stream::kWarps;
+  const uint32_t num_items = uint32_t(int64_t(p.N) * p.HV * kBlocksV);
+  const int64_t blocks_needed = (int64_t(num_items) + kWarps - 1) / kWarps;
   const unsigned grid = unsigned(std::min<int64_t>(blocks_needed, int64_t(sms) * per_sm));
-  decode_stream::decode_step_stream<Elem><<<grid, decode_stream::kWarps * 32, 0, stream>>>(p, num_items);
+  decode_step_stream<Elem, kPrefetchNext><<<grid, kWarps * 32, 0, stream>>>(p, num_items);
   return cudaGetLastError();
+}
+
+}  // namespace decode_stream
+
+template <typename Elem>
+cudaError_t run_decode_stream(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
+  return decode_stream::run<Elem>(p, stream, launched);
 }
 
 }  // namespace flashkda
