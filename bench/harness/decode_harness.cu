@@ -39,21 +39,6 @@
 using Tune = flashkda::decode_bulk::Tuning<CONSUMER_WARPS, ITEM_ROWS, BLOCKS_PER_SM>;
 using StateT = STATE;
 
-// Relative L2 difference of two device arrays of T (read back to the host).
-template <typename T>
-double rel_diff(const T* a, const T* b, size_t n) {
-  std::vector<T> ha(n), hb(n);
-  if (cudaMemcpy(ha.data(), a, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess ||
-      cudaMemcpy(hb.data(), b, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess)
-    return -1.0;
-  double d = 0, r = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double x = float(ha[i]), y = float(hb[i]);
-    d += (x - y) * (x - y), r += x * x;
-  }
-  return std::sqrt(d / r);
-}
-
 int main(int argc, char** argv) {
   // argv: N [T tokens per sequence]
   DecodeCase<StateT> c;

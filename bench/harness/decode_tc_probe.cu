@@ -273,20 +273,6 @@ void launch(const RecurrentParams& p, int sms) {
 
 }  // namespace probe
 
-template <typename T>
-double rel_diff(const T* a, const T* b, size_t n) {
-  std::vector<T> ha(n), hb(n);
-  if (cudaMemcpy(ha.data(), a, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess ||
-      cudaMemcpy(hb.data(), b, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess)
-    return -1.0;
-  double d = 0, r = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double x = float(ha[i]), y = float(hb[i]);
-    d += (x - y) * (x - y), r += x * x;
-  }
-  return std::sqrt(d / r);
-}
-
 using bf16 = __nv_bfloat16;
 
 template <int M, int kMinBlocks>

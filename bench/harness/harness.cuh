@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -51,4 +52,19 @@ float median_ms(F&& launch, int reps) {
   cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// Relative L2 difference of two device arrays of T (read back to the host); -1 if a copy fails.
+template <typename T>
+double rel_diff(const T* a, const T* b, size_t n) {
+  std::vector<T> ha(n), hb(n);
+  if (cudaMemcpy(ha.data(), a, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess ||
+      cudaMemcpy(hb.data(), b, n * sizeof(T), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return -1.0;
+  double d = 0, r = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double x = float(ha[i]), y = float(hb[i]);
+    d += (x - y) * (x - y), r += x * x;
+  }
+  return std::sqrt(d / r);
 }
