@@ -17,7 +17,7 @@
 // one 512-byte row, the token vectors a lane needs are its own four channels (vector loads into
 // registers, no shared memory), and a sum over K is a sum over the warp. The 2 kItemRows sums of a
 // token (S_d k and S_d q of each row) are reduced together by halving exchanges (reduce_scatter:
-// 2 kItemRows - 1 shuffles instead of 5 per sum) and leave each sum in known lanes, which compute
+// 2 kItemRows shuffles instead of 5 per sum) and leave each sum in known lanes, which compute
 // that row's correction and output. Items are numbered value block fastest: the warps of a block
 // work on neighbouring rows of one head and share its token rows in L1.
 #pragma once
@@ -61,7 +61,8 @@ __device__ __forceinline__ bool writes_output(int lane) { return lane >= 16 && l
 
 // Sums NV values over the warp: afterwards each lane holds the total of value lane / (32 / NV).
 // Each step halves the values a lane carries: it sends one half to the partner lane (lane ^ M) and
-// adds the partner's values of the half it keeps, so NV - 1 shuffles replace 5 NV. (A template
+// adds the partner's values of the half it keeps; with NV < 32 the last value is then summed over
+// the remaining log2(32 / NV) lane bits. NV - 1 + log2(32 / NV) shuffles replace 5 NV. (A template
 // recursion, so that every index is a constant and x stays in registers.)
 template <int NV, int M = 16>
 __device__ __forceinline__ float reduce_scatter(float (&x)[NV], int lane) {
