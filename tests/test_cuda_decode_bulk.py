@@ -1,10 +1,13 @@
 """The default family's decode kernels against the sm_80 one and the fp64 oracle: an fp32 state runs
-csrc/flashkda/decode_stream.cuh (any device), a bf16 state csrc/flashkda/decode_bulk.cuh (sm_90).
+csrc/flashkda/decode_stream.cuh (any device); a bf16 state with one token per sequence in a uniform
+batch csrc/flashkda/decode_stream_tc.cuh (any device), other bf16 cases csrc/flashkda/decode_bulk.cuh
+(sm_90).
 
 Sizes give every block of the persistent grids dozens of work items, so the bulk kernel's stage ring
 wraps many times and its producer resolves several batches of 32 items, and every warp of the
-stream kernel carries a prefetched item across many iterations. On a device or build without
-sm_90 code a bf16 state runs the sm_80 kernel in both families and the tests still hold.
+stream kernels carries a prefetched item across many iterations. On a device or build without
+sm_90 code the bf16 cases that decode_stream_tc.cuh does not take run the sm_80 kernel in both
+families and the tests still hold.
 """
 
 import pytest
@@ -59,6 +62,41 @@ def test_families_agree_on_pool_with_padding(pool_dtype, T):
     state_tol = TOL[token_dtype] if pool_dtype == torch.float32 else 1e-2
     assert rel_err(o90, ref_o) <= TOL[token_dtype]
     assert rel_err(p90[named], ref_pool[named.cpu()]) <= state_tol
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp16", "fp32", "gdn", "softplus", "int64_slots"])
+def test_bf16_pool_one_token_matches_oracle(case):
+    """One token per sequence into a bf16 pool (decode_stream_tc.cuh in the default family): each
+    token dtype, the scalar gate, the softplus gate, int64 slot indices, padding; against the fp64
+    oracle and the sm_80 family. The tensor-core sums carry about 16 bits of each fp32 factor, hence
+    1e-4 rather than 1e-5 for the output with fp32 tokens."""
+    dtype = {"fp16": torch.float16, "fp32": torch.float32}.get(case, torch.bfloat16)
+    gdn = case == "gdn"
+    N, H, HV, D = 300, 2, 4, 128
+    slots = N + 16
+    kw = make_inputs(B=N, T=1, H=H, HV=HV, D=D, dtype=dtype, gdn=gdn, gate="softplus" if case == "softplus" else "lower_bound",
+                     device="cuda", state=False, state_v_first=True)
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int64 if case == "int64_slots" else torch.int32)
+    idx[::13] = -1
+    pool0 = (0.1 * torch.randn(slots, HV, D, D, device="cuda")).to(torch.bfloat16)
+    ref_pool = pool0.double().cpu()  # updated in place by the oracle
+    ref_o, _ = kda_reference(**as_fp64_cpu(kw), initial_state=ref_pool, ssm_state_indices=idx.cpu(), core="recurrent")
+    results = {}
+    for family in ("sm80", "sm90"):
+        pool = pool0.clone()
+        with kernel_family(family):
+            o, _ = public_fn("recurrent", gdn)(**kw, initial_state=pool, ssm_state_indices=idx)
+        results[family] = (o, pool)
+    torch.cuda.synchronize()
+    (o80, p80), (o, pool) = results["sm80"], results["sm90"]
+    unnamed = torch.ones(slots, dtype=torch.bool, device="cuda")
+    unnamed[idx[idx >= 0].long()] = False
+    assert torch.equal(pool[unnamed], pool0[unnamed]), "a slot not named was touched"
+    assert torch.count_nonzero(o[idx < 0]) == 0, "padding output is not zero"
+    assert not torch.isnan(o).any() and not torch.isnan(pool).any()
+    assert rel_err(o, ref_o) <= (1e-4 if dtype == torch.float32 else TOL[dtype])
+    assert rel_err(pool[~unnamed], ref_pool[~unnamed.cpu()]) <= 1e-2
+    assert rel_err(o, o80) <= 4e-3 and rel_err(pool, p80) <= 4e-3
 
 
 def _varlen(lens_count=300, seed=0):

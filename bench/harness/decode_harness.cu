@@ -1,5 +1,6 @@
-// Standalone timing of the sm_90 decode kernel (decode_bulk.cuh) for one tuning, and of
-// decode_stream.cuh with an fp32 state, without PyTorch:
+// Standalone timing of the sm_90 decode kernel (decode_bulk.cuh) for one tuning, and of the
+// register-streaming kernel for the same state type (decode_stream.cuh for an fp32 state,
+// decode_stream_tc.cuh for a bf16 one, which takes one token per sequence), without PyTorch:
 // bench/test_decode.py's case (H = 32, K = V = 128, bf16 tokens, V-first pool of N + 8 slots with
 // shuffled int32 slot indices, lower-bound gate with A_log / dt_bias, l2norm, beta sigmoid), fp32 or
 // bf16 pool, T tokens per sequence (argv[2], default 1). Prints the median kernel time of
@@ -21,6 +22,7 @@
 
 #include "flashkda/decode_bulk.cuh"
 #include "flashkda/decode_stream.cuh"
+#include "flashkda/decode_stream_tc.cuh"
 #include "decode_case.cuh"
 
 #ifndef CONSUMER_WARPS
@@ -64,9 +66,17 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(pool_bulk, c.pool, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
   CHECK(cudaMemcpy(o_bulk, c.o, c.tok * 2, cudaMemcpyDeviceToDevice));
   CHECK(cudaMemcpy(c.pool, pool0, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
-  // The register-streaming kernel (fp32 states only).
+  // The register-streaming kernel of this state type.
+  auto run_stream = [&](bool& launched_) {
+    if constexpr (sizeof(StateT) == 4) return flashkda::run_decode_stream<bf16>(p, 0, launched_);
+    else return flashkda::run_decode_stream_tc<bf16>(p, 0, launched_);
+  };
+  auto run_stream_prefetch = [&](bool& launched_) {
+    if constexpr (sizeof(StateT) == 4) return flashkda::decode_stream::run<bf16, true>(p, 0, launched_);
+    else return flashkda::decode_stream_tc::run<bf16, true>(p, 0, launched_);
+  };
   bool stream_launched = false;
-  if constexpr (sizeof(StateT) == 4) CHECK(flashkda::run_decode_stream<bf16>(p, 0, stream_launched));
+  CHECK(run_stream(stream_launched));
   CHECK(cudaDeviceSynchronize());
   const double o_diff = rel_diff(o_bulk, c.o, c.tok), s_diff = rel_diff(pool_bulk, c.pool, c.state);
 
@@ -74,9 +84,9 @@ int main(int argc, char** argv) {
   CHECK(cudaGetLastError());
   float ms_stream = 0.f, ms_prefetch = 0.f;
   if (stream_launched) {
-    ms_stream = median_ms([&] { flashkda::run_decode_stream<bf16>(p, 0, stream_launched); }, 50);
+    ms_stream = median_ms([&] { run_stream(stream_launched); }, 50);
     // The tuning that prefetches each item's successor into L2.
-    ms_prefetch = median_ms([&] { flashkda::decode_stream::run<bf16, true>(p, 0, stream_launched); }, 50);
+    ms_prefetch = median_ms([&] { run_stream_prefetch(stream_launched); }, 50);
     CHECK(cudaGetLastError());
   }
   const double floor_ms = c.floor_bytes() / bw * 1e3;
@@ -86,8 +96,9 @@ int main(int argc, char** argv) {
               sizeof(StateT) == 4 ? "fp32" : "bf16", Tune::kConsumerWarps, Tune::kItemRows, Tune::kBlocksPerSm,
               S::kStages, N, c.T, ms, floor_ms, 100.0 * floor_ms / ms, bw / 1e12);
   if (stream_launched)
-    std::printf("state fp32  decode_stream (8 warps, 8 rows, 2 blocks/SM)              N=%4d T=%d: %.4f ms (%.0f%% of the "
-                "floor); successor prefetched into L2 %.4f ms | vs bulk: rel diff o %.1e, state %.1e\n",
-                N, c.T, ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch, o_diff, s_diff);
+    std::printf("state %-5s %-16s N=%4d T=%d: %.4f ms (%.0f%% of the floor); successor prefetched into L2 %.4f ms | "
+                "vs bulk: rel diff o %.1e, state %.1e\n",
+                sizeof(StateT) == 4 ? "fp32" : "bf16", sizeof(StateT) == 4 ? "decode_stream" : "decode_stream_tc", N, c.T,
+                ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch, o_diff, s_diff);
   return 0;
 }

@@ -22,6 +22,11 @@ constexpr int kDecodeBulkHeadDim = 128;
 template <typename Elem>
 cudaError_t run_decode_stream(const RecurrentParams& params, cudaStream_t stream, bool& launched);
 
+// Decode step for bf16 V-first states with one token per sequence (decode_stream_tc.cuh), any
+// sm_80+ device. Sets `launched` to false, and launches nothing, when the case is not covered.
+template <typename Elem>
+cudaError_t run_decode_stream_tc(const RecurrentParams& params, cudaStream_t stream, bool& launched);
+
 // Decode step on sm_90 (decode_bulk.cuh), for the V-first cases it covers: StateT (float or
 // __nv_bfloat16) is the element type of every state tensor given. Sets `launched` to false, and
 // launches nothing, when the case is not covered or the current device has no sm_90 code of the

@@ -95,9 +95,12 @@ struct Item {
   bool skip;       // padding sequence: zero output, no state traffic
 };
 
+// Item number -> item, for items of kRows value rows (value block fastest).
+template <int kRows = kItemRows>
 __device__ __forceinline__ Item resolve_item(const RecurrentParams& p, uint32_t item) {
-  const int vblock = int(item % kBlocksV);
-  const uint32_t rest = item / kBlocksV;
+  constexpr int kBlocks = D / kRows;
+  const int vblock = int(item % kBlocks);
+  const uint32_t rest = item / kBlocks;
   const int n = int(rest / uint32_t(p.HV));
   const recurrent::Sequence seq = recurrent::resolve_sequence(p, n);
   int64_t write_slot = recurrent::final_slot(p, n, seq);
@@ -111,13 +114,13 @@ __device__ __forceinline__ Item resolve_item(const RecurrentParams& p, uint32_t 
   it.read_slot = needs_state ? int(seq.read_slot) : -1;
   it.write_slot = int(write_slot);
   it.hv = int(rest % uint32_t(p.HV));
-  it.v0 = vblock * kItemRows;
+  it.v0 = vblock * kRows;
   it.skip = seq.skip;
   return it;
 }
 
-// Raw bits of one token as a lane loads them (its four key channels, the v value of its row),
-// turned into numbers only when used, so that every load of an item goes out before the first wait.
+// Raw bits of one token as a lane loads them (its four key channels), turned into numbers only when
+// used, so that every load of an item goes out before the first wait.
 template <typename Elem>
 struct TokenRaw {
   using Four = typename std::conditional<sizeof(Elem) == 2, uint2, uint4>::type;  // 4 Elem
@@ -126,7 +129,6 @@ struct TokenRaw {
   float4 bias;     // dt_bias of the 4 channels, scalar gate: .x; zeros without dt_bias
   uint32_t beta;   // beta_dtype bits
   float a_log;     // A_log[hv], 0 without A_log
-  Elem v;          // v of the lane's row (sum_row)
 };
 
 __device__ __forceinline__ uint32_t load_bits(const void* base, DType dt, int64_t i) {
@@ -179,44 +181,59 @@ __device__ __forceinline__ TokenRaw<Elem> load_token(const RecurrentParams& p, c
   }
   r.beta = load_bits(p.beta, p.beta_dtype, it.batch * p.beta_batch_stride + t * p.beta_token_stride + it.hv);
   r.a_log = p.A_log != nullptr ? p.A_log[it.hv] : 0.f;
-  r.v = static_cast<const Elem*>(p.v)[it.batch * p.v_batch_stride + t * p.v_token_stride + int64_t(it.hv) * p.v_head_stride +
-                                      it.v0 + sum_row(lane)];
   return r;
 }
 
-// One token's update of an item's rows (KDA_SPEC "Recurrence"); returns the output of row
-// sum_row(lane) on the lanes that write it. With the decayed state S_d = S ⊙ d:
-// sk = S_d k = S (d ⊙ k), sq = S (d ⊙ q), u = beta (v − sk), S = S_d + u kᵀ, o = sq + u (k·q).
+// v of token t at value row it.v0 + row.
 template <typename Elem>
-__device__ __forceinline__ float token_update(const RecurrentParams& p, const TokenRaw<Elem>& r, float (&S)[kItemRows][4],
-                                              int lane) {
-  float q[4], k[4], g[4], d[4];
+__device__ __forceinline__ Elem load_v(const RecurrentParams& p, const Item& it, int64_t t, int row) {
+  return static_cast<const Elem*>(p.v)[it.batch * p.v_batch_stride + t * p.v_token_stride + int64_t(it.hv) * p.v_head_stride +
+                                       it.v0 + row];
+}
+
+// A token's factors for a lane's four key channels: decay d, normalised k, d ⊙ k and d ⊙ q (q
+// normalised and scaled), beta and k·q.
+struct Prepared {
+  float d[4], k[4], dk[4], dq[4];
+  float beta, kq;
+};
+
+template <typename Elem>
+__device__ __forceinline__ Prepared prepare_token(const RecurrentParams& p, const TokenRaw<Elem>& r) {
+  Prepared t;
+  float q[4], g[4];
   unpack4<Elem>(r.q, q);
-  unpack4<Elem>(r.k, k);
+  unpack4<Elem>(r.k, t.k);
   const float a = p.A_log != nullptr ? __expf(r.a_log) : 1.f;
   const float bias[4] = {r.bias.x, r.bias.y, r.bias.z, r.bias.w};
   if (p.scalar_gate) {
     const float decay = __expf(log_decay(p, bits_to_float(r.g.x, p.g_dtype), bias[0], a));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = decay;
+    for (int e = 0; e < 4; ++e) t.d[e] = decay;
   } else {
     unpack_gate4(r.g, p.g_dtype, g);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = __expf(log_decay(p, g[e], bias[e], a));
+    for (int e = 0; e < 4; ++e) t.d[e] = __expf(log_decay(p, g[e], bias[e], a));
   }
   float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) qq += q[e] * q[e], kk += k[e] * k[e], qk += q[e] * k[e];
+  for (int e = 0; e < 4; ++e) qq += q[e] * q[e], kk += t.k[e] * t.k[e], qk += q[e] * t.k[e];
   float q_scale = p.scale, k_scale = 1.f;
   if (p.l2norm) {
     q_scale *= rsqrtf(recurrent::group_sum<32>(qq) + kL2NormEps);
     k_scale = rsqrtf(recurrent::group_sum<32>(kk) + kL2NormEps);
   }
-  const float kq = recurrent::group_sum<32>(qk) * q_scale * k_scale;
-  float dk[4], dq[4];
+  t.kq = recurrent::group_sum<32>(qk) * q_scale * k_scale;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) k[e] *= k_scale, dk[e] = d[e] * k[e], dq[e] = d[e] * (q[e] * q_scale);
+  for (int e = 0; e < 4; ++e) t.k[e] *= k_scale, t.dk[e] = t.d[e] * t.k[e], t.dq[e] = t.d[e] * (q[e] * q_scale);
+  t.beta = beta_value(p, bits_to_float(r.beta, p.beta_dtype));
+  return t;
+}
 
+// One token's update of an item's rows (KDA_SPEC "Recurrence"); returns the output of row
+// sum_row(lane) on the lanes that write it. With the decayed state S_d = S ⊙ d:
+// sk = S_d k = S (d ⊙ k), sq = S (d ⊙ q), u = beta (v − sk), S = S_d + u kᵀ, o = sq + u (k·q).
+__device__ __forceinline__ float token_update(const Prepared& t, float v, float (&S)[kItemRows][4], int lane) {
   // The 2 kItemRows sums reduced as reduce_scatter<2 kItemRows> would, with its first step (lanes
   // < 16 keep the sk, the others the sq) taken row by row as the sums come, so that kItemRows
   // values stay alive instead of twice as many.
@@ -226,17 +243,17 @@ __device__ __forceinline__ float token_update(const RecurrentParams& p, const To
   for (int j = 0; j < kItemRows; ++j) {
     float sk = 0.f, sq = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sk += S[j][e] * dk[e], sq += S[j][e] * dq[e];
+    for (int e = 0; e < 4; ++e) sk += S[j][e] * t.dk[e], sq += S[j][e] * t.dq[e];
     half[j] = (upper ? sq : sk) + __shfl_xor_sync(0xffffffffu, upper ? sk : sq, 16);
   }
   const float mine = reduce_scatter<kItemRows, 8>(half, lane);  // sk (lanes < 16) or sq of sum_row(lane)
-  const float u = beta_value(p, bits_to_float(r.beta, p.beta_dtype)) * (to_float(r.v) - mine);
-  const float out = mine + __shfl_xor_sync(0xffffffffu, u, 16) * kq;
+  const float u = t.beta * (v - mine);
+  const float out = mine + __shfl_xor_sync(0xffffffffu, u, 16) * t.kq;
 #pragma unroll
   for (int j = 0; j < kItemRows; ++j) {
     const float uj = __shfl_sync(0xffffffffu, u, sk_lane(j));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) S[j][e] = S[j][e] * d[e] + k[e] * uj;
+    for (int e = 0; e < 4; ++e) S[j][e] = S[j][e] * t.d[e] + t.k[e] * uj;
   }
   return out;
 }
@@ -267,6 +284,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   };
   float S[kItemRows][4];
   TokenRaw<Elem> tok;
+  Elem v;  // the token's v at row sum_row(lane)
   // An item's loads: its state rows and its first token.
   auto load_item = [&](const Item& it) {
 #pragma unroll
@@ -278,7 +296,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
         S[j][0] = S[j][1] = S[j][2] = S[j][3] = 0.f;
       }
     }
-    if (!it.skip && it.len > 0) tok = load_token<Elem>(p, it, it.bos, lane);
+    if (!it.skip && it.len > 0) tok = load_token<Elem>(p, it, it.bos, lane), v = load_v<Elem>(p, it, it.bos, sum_row(lane));
   };
   load_item(cur);
 
@@ -296,8 +314,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
         for (int i = 0; i < cur.len; ++i) o[(cur.bos + i) * p.o_token_stride] = from_float<Elem>(0.f);
     } else {
       for (int i = 0; i < cur.len; ++i) {
-        if (i > 0) tok = load_token<Elem>(p, cur, cur.bos + i, lane);
-        const float out = token_update<Elem>(p, tok, S, lane);
+        if (i > 0) tok = load_token<Elem>(p, cur, cur.bos + i, lane), v = load_v<Elem>(p, cur, cur.bos + i, sum_row(lane));
+        const float out = token_update(prepare_token<Elem>(p, tok), to_float(v), S, lane);
         if (writer) o[(cur.bos + i) * p.o_token_stride] = from_float<Elem>(out);
       }
       if (cur.write_slot >= 0) {

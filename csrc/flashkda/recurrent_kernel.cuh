@@ -291,14 +291,15 @@ cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
   if constexpr (D == kDecodeBulkHeadDim) {
     if (p.state_v_first && p.kernel_family != KernelFamily::kSm80) {
-      // An fp32 state streams through registers (decode_stream.cuh); a bf16 one, or an fp32 one
-      // whose token rows are not 16-byte aligned, goes through the sm_90 kernel when it covers the
-      // case and the device has its code.
+      // The state streams through registers (decode_stream.cuh, decode_stream_tc.cuh); what those
+      // do not cover goes through the sm_90 kernel when it covers the case and the device has its
+      // code.
       const DType state = p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype;
       bool launched = false;
       cudaError_t err = cudaSuccess;
       if (state == DType::kBFloat16) {
-        err = run_decode_bulk<Elem, __nv_bfloat16>(p, stream, launched);
+        err = run_decode_stream_tc<Elem>(p, stream, launched);
+        if (err == cudaSuccess && !launched) err = run_decode_bulk<Elem, __nv_bfloat16>(p, stream, launched);
       } else {
         err = run_decode_stream<Elem>(p, stream, launched);
         if (err == cudaSuccess && !launched) err = run_decode_bulk<Elem, float>(p, stream, launched);
