@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <numeric>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "flashkda/decode_bulk.cuh"
@@ -66,27 +67,27 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(pool_bulk, c.pool, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
   CHECK(cudaMemcpy(o_bulk, c.o, c.tok * 2, cudaMemcpyDeviceToDevice));
   CHECK(cudaMemcpy(c.pool, pool0, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
-  // The register-streaming kernel of this state type.
-  auto run_stream = [&](bool& launched_) {
-    if constexpr (sizeof(StateT) == 4) return flashkda::run_decode_stream<bf16>(p, 0, launched_);
-    else return flashkda::run_decode_stream_tc<bf16>(p, 0, launched_);
+  // The register-streaming kernel of this state type, with prefetch distance kPrefetch.
+  auto run_stream = [&](auto prefetch, bool& launched_) {
+    constexpr int kPrefetch = decltype(prefetch)::value;
+    if constexpr (sizeof(StateT) == 4) return flashkda::decode_stream::run<bf16, kPrefetch>(p, 0, launched_);
+    else return flashkda::decode_stream_tc::run<bf16, kPrefetch>(p, 0, launched_);
   };
-  auto run_stream_prefetch = [&](bool& launched_) {
-    if constexpr (sizeof(StateT) == 4) return flashkda::decode_stream::run<bf16, true>(p, 0, launched_);
-    else return flashkda::decode_stream_tc::run<bf16, true>(p, 0, launched_);
-  };
+  using P0 = std::integral_constant<int, 0>;
+  using P1 = std::integral_constant<int, 1>;
+  using P2 = std::integral_constant<int, 2>;
   bool stream_launched = false;
-  CHECK(run_stream(stream_launched));
+  CHECK(run_stream(P0{}, stream_launched));
   CHECK(cudaDeviceSynchronize());
   const double o_diff = rel_diff(o_bulk, c.o, c.tok), s_diff = rel_diff(pool_bulk, c.pool, c.state);
 
   const float ms = median_ms([&] { flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched); }, 50);
   CHECK(cudaGetLastError());
-  float ms_stream = 0.f, ms_prefetch = 0.f;
+  float ms_stream = 0.f, ms_prefetch[2] = {0.f, 0.f};
   if (stream_launched) {
-    ms_stream = median_ms([&] { run_stream(stream_launched); }, 50);
-    // The tuning that prefetches each item's successor into L2.
-    ms_prefetch = median_ms([&] { run_stream_prefetch(stream_launched); }, 50);
+    ms_stream = median_ms([&] { run_stream(P0{}, stream_launched); }, 50);
+    ms_prefetch[0] = median_ms([&] { run_stream(P1{}, stream_launched); }, 50);
+    ms_prefetch[1] = median_ms([&] { run_stream(P2{}, stream_launched); }, 50);
     CHECK(cudaGetLastError());
   }
   const double floor_ms = c.floor_bytes() / bw * 1e3;
@@ -96,9 +97,9 @@ int main(int argc, char** argv) {
               sizeof(StateT) == 4 ? "fp32" : "bf16", Tune::kConsumerWarps, Tune::kItemRows, Tune::kBlocksPerSm,
               S::kStages, N, c.T, ms, floor_ms, 100.0 * floor_ms / ms, bw / 1e12);
   if (stream_launched)
-    std::printf("state %-5s %-16s N=%4d T=%d: %.4f ms (%.0f%% of the floor); successor prefetched into L2 %.4f ms | "
+    std::printf("state %-5s %-16s N=%4d T=%d: %.4f ms (%.0f%% of the floor); L2 prefetch 1 / 2 ahead %.4f / %.4f ms | "
                 "vs bulk: rel diff o %.1e, state %.1e\n",
                 sizeof(StateT) == 4 ? "fp32" : "bf16", sizeof(StateT) == 4 ? "decode_stream" : "decode_stream_tc", N, c.T,
-                ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch, o_diff, s_diff);
+                ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch[0], ms_prefetch[1], o_diff, s_diff);
   return 0;
 }

@@ -261,10 +261,13 @@ __device__ __forceinline__ float token_update(const Prepared& t, float v, float 
 // Asks L2 to fetch the 128-byte line at `ptr` (no registers, no wait).
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
 
-// kPrefetchNext: while an item is computed, its successor's state rows are prefetched into L2, so
-// that its loads (issued after this item's stores) find them there (a tuning, timed by
-// bench/harness/decode_harness.cu; the library runs the default).
-template <typename Elem, bool kPrefetchNext = false>
+// kPrefetch: while an item is computed, the state rows of the item kPrefetch strides ahead (0: none)
+// are prefetched into L2, one 128-byte line per lane, so that their loads find them there. Measured on
+// the H200 (bench/harness/decode_harness.cu, one token per sequence, N = 64 / 256 / 1024): none
+// 0.0810 / 0.2910 / 1.1332 ms, one stride 0.0793 / 0.2838 / 1.1012, two strides 0.0826 / 0.2954 /
+// 1.1468. With 2 or 4 tokens per sequence (N = 256) one stride is 1-2% slower than none, so
+// run_decode_stream prefetches only for uniform batches of one token.
+template <typename Elem, int kPrefetch = 0>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream(const RecurrentParams p, const uint32_t num_items) {
   const int lane = threadIdx.x % 32;
@@ -277,6 +280,19 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   if (item >= num_items) return;
   Item cur = resolve_item(p, item), next{};
   if (item + stride < num_items) next = resolve_item(p, item + stride);
+  static_assert(kPrefetch >= 0 && kPrefetch <= 2, "prefetch distance: 0, 1 or 2 strides");
+  static_assert(kItemRows * D * sizeof(float) == 32 * 128, "an item is one 128-byte line per lane");
+  // Line `lane` of an item's state in its read slot, or null when it has none.
+  auto item_line = [&](const Item& it) -> const float* {
+    return it.read_slot >= 0 ? state_in + int64_t(it.read_slot) * slot_elems + int64_t(it.hv) * D * D +
+                                   int64_t(it.v0) * D + 32 * lane
+                             : nullptr;
+  };
+  const float* ahead = nullptr;  // kPrefetch == 2: the line of the item two strides ahead
+  if constexpr (kPrefetch == 2) {
+    if (item + stride < num_items && next.read_slot >= 0) prefetch_l2(item_line(next));
+    if (item + 2 * stride < num_items) ahead = item_line(resolve_item(p, item + 2 * stride));
+  }
 
   // This lane's 16 bytes of row j of an item's state.
   auto offset = [&](const Item& it, int slot, int j) {
@@ -302,10 +318,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 
   const bool writer = writes_output(lane);
   while (true) {
-    if constexpr (kPrefetchNext) {
-      if (item + stride < num_items && next.read_slot >= 0)
-#pragma unroll
-        for (int j = 0; j < kItemRows; ++j) prefetch_l2(state_in + offset(next, next.read_slot, j));
+    if constexpr (kPrefetch == 1) {
+      if (item + stride < num_items && next.read_slot >= 0) prefetch_l2(item_line(next));
+    } else if constexpr (kPrefetch == 2) {
+      if (ahead != nullptr) prefetch_l2(ahead);
     }
     Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 +
               sum_row(lane);
@@ -330,6 +346,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     if (item >= num_items) break;
     cur = next;
     if (item + stride < num_items) next = resolve_item(p, item + stride);
+    if constexpr (kPrefetch == 2) ahead = item + 2 * stride < num_items ? item_line(resolve_item(p, item + 2 * stride)) : nullptr;
     load_item(cur);
   }
 }
@@ -343,12 +360,12 @@ bool covers(const RecurrentParams& p) {
 }
 
 // Resident blocks per SM on the current device (queried once per device), 0 if the query fails.
-template <typename Elem, bool kPrefetchNext>
+template <typename Elem, int kPrefetch>
 int blocks_per_sm() {
   static std::atomic<int> known[recurrent::kMaxCachedDevices];
   return recurrent::cached_per_device(known, [] {
     int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream<Elem, kPrefetchNext>, kWarps * 32, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream<Elem, kPrefetch>, kWarps * 32, 0) !=
         cudaSuccess) {
       (void)cudaGetLastError();
       blocks = 0;
@@ -357,11 +374,11 @@ int blocks_per_sm() {
   });
 }
 
-template <typename Elem, bool kPrefetchNext = false>
+template <typename Elem, int kPrefetch = 0>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
   if (!covers<Elem>(p)) return cudaSuccess;
-  const int per_sm = blocks_per_sm<Elem, kPrefetchNext>();
+  const int per_sm = blocks_per_sm<Elem, kPrefetch>();
   if (per_sm == 0) return cudaSuccess;
   launched = true;
   if (p.N == 0) return cudaSuccess;
@@ -370,7 +387,7 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   const uint32_t num_items = uint32_t(int64_t(p.N) * p.HV * kBlocksV);
   const int64_t blocks_needed = (int64_t(num_items) + kWarps - 1) / kWarps;
   const unsigned grid = unsigned(std::min<int64_t>(blocks_needed, int64_t(sms) * per_sm));
-  decode_step_stream<Elem, kPrefetchNext><<<grid, kWarps * 32, 0, stream>>>(p, num_items);
+  decode_step_stream<Elem, kPrefetch><<<grid, kWarps * 32, 0, stream>>>(p, num_items);
   return cudaGetLastError();
 }
 
@@ -378,7 +395,8 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
 
 template <typename Elem>
 cudaError_t run_decode_stream(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
-  return decode_stream::run<Elem>(p, stream, launched);
+  if (p.cu_seqlens == nullptr && p.T == 1) return decode_stream::run<Elem, 1>(p, stream, launched);
+  return decode_stream::run<Elem, 0>(p, stream, launched);
 }
 
 }  // namespace flashkda

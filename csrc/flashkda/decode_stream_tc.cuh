@@ -129,9 +129,11 @@ __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
                     sm80::pack2<bf16>(x[6], x[7]));
 }
 
-// kPrefetchNext: as decode_stream's tuning, the next item's rows are prefetched into L2 while an
-// item is computed.
-template <typename Elem, bool kPrefetchNext = false>
+// kPrefetch: while an item is computed, state rows ahead are prefetched into L2, one 128-byte line per
+// lane and instruction: 1, the next item's; 2, at the start of a unit, the whole next unit's.
+// Measured on the H200 (bench/harness/decode_harness.cu, N = 64 / 256 / 1024): none 0.0511 / 0.1689
+// / 0.6382 ms, 1: 0.0454 / 0.1647 / 0.6134, 2: 0.0445 / 0.2020 / 0.7982. The library runs 1.
+template <typename Elem, int kPrefetch = 0>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream_tc(const RecurrentParams p, const uint32_t num_units) {
   __shared__ Scratch scratch[kWarps];
@@ -151,6 +153,11 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   // Row g (h = 0) or g + 8 (h = 1) of an item in a slot, at key 8 t4; chunk c is 32 c further.
   auto row = [&](const Item& it, int slot, int h) {
     return int64_t(slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0 + g + 8 * h) * D + 8 * t4;
+  };
+  static_assert(kRows * D * sizeof(bf16) == 32 * 128, "an item is one 128-byte line per lane");
+  // Line `lane` of an item's state in its read slot (read_slot >= 0).
+  auto item_line = [&](const Item& it) {
+    return state_in + int64_t(it.read_slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0) * D + 64 * lane;
   };
   uint4 A[2][4];  // rows g, g + 8; chunks c
   decode_stream::TokenRaw<Elem> tok;
@@ -173,17 +180,17 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   uint32_t B[8][2];
   decode_stream::Prepared t{};
   while (true) {
-    if constexpr (kPrefetchNext) {
+    if constexpr (kPrefetch == 1) {
       const bool same_unit = m + 1 < kItemsPerUnit;
       if (same_unit || unit + stride < num_units) {
         Item after = same_unit ? cur : next;
         if (same_unit) after.v0 += kRows;
-        if (after.read_slot >= 0)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int line = 0; line < 2; ++line) decode_stream::prefetch_l2(state_in + row(after, after.read_slot, h) + 64 * line);
+        if (after.read_slot >= 0) decode_stream::prefetch_l2(item_line(after));
       }
+    } else if constexpr (kPrefetch == 2) {
+      if (m == 0 && unit + stride < num_units && next.read_slot >= 0)
+#pragma unroll
+        for (int i = 0; i < kItemsPerUnit; ++i) decode_stream::prefetch_l2(item_line(next) + i * kRows * D);
     }
     Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 + g;
     if (cur.skip) {
@@ -260,12 +267,12 @@ bool covers(const RecurrentParams& p) {
 }
 
 // Resident blocks per SM on the current device (queried once per device), 0 if the query fails.
-template <typename Elem, bool kPrefetchNext>
+template <typename Elem, int kPrefetch>
 int blocks_per_sm() {
   static std::atomic<int> known[recurrent::kMaxCachedDevices];
   return recurrent::cached_per_device(known, [] {
     int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream_tc<Elem, kPrefetchNext>, kWarps * 32, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream_tc<Elem, kPrefetch>, kWarps * 32, 0) !=
         cudaSuccess) {
       (void)cudaGetLastError();
       blocks = 0;
@@ -274,11 +281,11 @@ int blocks_per_sm() {
   });
 }
 
-template <typename Elem, bool kPrefetchNext = false>
+template <typename Elem, int kPrefetch = 0>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
   if (!covers<Elem>(p)) return cudaSuccess;
-  const int per_sm = blocks_per_sm<Elem, kPrefetchNext>();
+  const int per_sm = blocks_per_sm<Elem, kPrefetch>();
   if (per_sm == 0) return cudaSuccess;
   launched = true;
   if (p.N == 0) return cudaSuccess;
@@ -287,7 +294,7 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   const uint32_t num_units = uint32_t(int64_t(p.N) * p.HV * (kBlocksV / kItemsPerUnit));
   const int64_t blocks_needed = (int64_t(num_units) + kWarps - 1) / kWarps;
   const unsigned grid = unsigned(std::min<int64_t>(blocks_needed, int64_t(sms) * per_sm));
-  decode_step_stream_tc<Elem, kPrefetchNext><<<grid, kWarps * 32, 0, stream>>>(p, num_units);
+  decode_step_stream_tc<Elem, kPrefetch><<<grid, kWarps * 32, 0, stream>>>(p, num_units);
   return cudaGetLastError();
 }
 
@@ -295,7 +302,7 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
 
 template <typename Elem>
 cudaError_t run_decode_stream_tc(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
-  return decode_stream_tc::run<Elem>(p, stream, launched);
+  return decode_stream_tc::run<Elem, 1>(p, stream, launched);
 }
 
 }  // namespace flashkda

@@ -1,0 +1,56 @@
+"""Small fused_recurrent_kda calls for compute-sanitizer, one per decode kernel:
+
+    compute-sanitizer --tool memcheck  python tests/sanitize_decode.py
+    compute-sanitizer --tool racecheck python tests/sanitize_decode.py
+
+In both kernel families: an fp32 pool with one token per sequence (decode_stream.cuh with its L2
+prefetch) and with three (without), an fp32 pool with token rows off 16-byte alignment
+(decode_bulk.cuh), a bf16 pool with one token (decode_stream_tc.cuh), with two and varlen with
+zero-length sequences (decode_bulk.cuh), and a K-first state; pools with padding slots.
+"""
+
+import torch
+
+import flashkda
+from flashkda import _ext
+
+from helpers import make_inputs
+
+
+def unaligned(kw):
+    """q, k, v as views 2 bytes off 16-byte alignment."""
+    for name in ("q", "k", "v"):
+        x = kw[name]
+        wide = torch.empty(*x.shape[:-1], x.shape[-1] + 1, device=x.device, dtype=x.dtype)
+        wide[..., 1:] = x
+        kw[name] = wide[..., 1:]
+    return kw
+
+
+def pool_call(pool_dtype, T=1, lens=None, misalign=False, N=40, HV=2, D=128):
+    if lens is not None:
+        N = len(lens)
+    kw = make_inputs(B=N, T=T, lens=lens, H=1, HV=HV, D=D,
+                     dtype=torch.bfloat16, device="cuda", state=False, state_v_first=True)
+    if misalign:
+        kw = unaligned(kw)
+    slots = N + 4
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
+    idx[::7] = -1
+    pool = (0.1 * torch.randn(slots, HV, D, D, device="cuda")).to(pool_dtype)
+    flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx)
+
+
+if __name__ == "__main__":
+    for family in ("sm80", "sm90"):
+        _ext.set_kernel_family(family)
+        pool_call(torch.float32, T=1)
+        pool_call(torch.float32, T=3)
+        pool_call(torch.float32, T=1, misalign=True)
+        pool_call(torch.bfloat16, T=1)
+        pool_call(torch.bfloat16, T=2)
+        pool_call(torch.bfloat16, lens=[1, 0, 3, 2, 0, 1, 1, 2] * 5)
+        kw = make_inputs(B=8, T=2, H=1, HV=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=False)
+        flashkda.fused_recurrent_kda(**kw, output_final_state=True)
+    torch.cuda.synchronize()
+    print("sanitize_decode: done")
