@@ -266,36 +266,12 @@ bool covers(const RecurrentParams& p) {
          p.num_slots < (int64_t(1) << 31) && recurrent::token_rows_aligned16<Elem>(p);
 }
 
-// Resident blocks per SM on the current device (queried once per device), 0 if the query fails.
-template <typename Elem, int kPrefetch>
-int blocks_per_sm() {
-  static std::atomic<int> known[recurrent::kMaxCachedDevices];
-  return recurrent::cached_per_device(known, [] {
-    int blocks = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, decode_step_stream_tc<Elem, kPrefetch>, kWarps * 32, 0) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      blocks = 0;
-    }
-    return blocks;
-  });
-}
-
 template <typename Elem, int kPrefetch = 0>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
   if (!covers<Elem>(p)) return cudaSuccess;
-  const int per_sm = blocks_per_sm<Elem, kPrefetch>();
-  if (per_sm == 0) return cudaSuccess;
-  launched = true;
-  if (p.N == 0) return cudaSuccess;
-  int sms = 0;
-  if (const cudaError_t err = recurrent::sm_count(p, sms); err != cudaSuccess) return err;
   const uint32_t num_units = uint32_t(int64_t(p.N) * p.HV * (kBlocksV / kItemsPerUnit));
-  const int64_t blocks_needed = (int64_t(num_units) + kWarps - 1) / kWarps;
-  const unsigned grid = unsigned(std::min<int64_t>(blocks_needed, int64_t(sms) * per_sm));
-  decode_step_stream_tc<Elem, kPrefetch><<<grid, kWarps * 32, 0, stream>>>(p, num_units);
-  return cudaGetLastError();
+  return recurrent::launch_persistent<decode_step_stream_tc<Elem, kPrefetch>>(p, kWarps, num_units, stream, launched);
 }
 
 }  // namespace decode_stream_tc

@@ -1,10 +1,12 @@
 // Pieces shared by the decode kernels (recurrent_kernel.cuh for every device, decode_bulk.cuh for
 // sm_90): which tokens and state slots a sequence uses, and the per-token preprocessing of q, k and
-// the gate into a warp's shared-memory scratch. Device-only, framework-free.
+// the gate into a warp's shared-memory scratch; and the host helpers that size and launch the
+// persistent decode kernels. Framework-free.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 
@@ -266,6 +268,38 @@ inline cudaError_t sm_count(const RecurrentParams& p, int& sms) {
 }
 
 inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Resident blocks per SM of kKernel at `threads` threads and no dynamic shared memory on the current
+// device (queried once per device), 0 if the query fails.
+template <auto kKernel>
+int resident_blocks(int threads) {
+  static std::atomic<int> known[kMaxCachedDevices];
+  return cached_per_device(known, [threads] {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kKernel, threads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      blocks = 0;
+    }
+    return blocks;
+  });
+}
+
+// Launches the persistent decode kernel kKernel(p, units): `warps` warps per block, each warp
+// taking one of `units` work units at a time with a grid stride, as many blocks as the units need
+// and at most as many as the device holds at once. `launched` is false when the occupancy query
+// fails (the caller falls back to another kernel).
+template <auto kKernel>
+cudaError_t launch_persistent(const RecurrentParams& p, int warps, uint32_t units, cudaStream_t stream, bool& launched) {
+  const int per_sm = resident_blocks<kKernel>(warps * 32);
+  launched = per_sm > 0;
+  if (!launched || units == 0) return cudaSuccess;
+  int sms = 0;
+  if (const cudaError_t err = sm_count(p, sms); err != cudaSuccess) return err;
+  const int64_t blocks_needed = (int64_t(units) + warps - 1) / warps;
+  const unsigned grid = unsigned(std::min<int64_t>(blocks_needed, int64_t(sms) * per_sm));
+  kKernel<<<grid, warps * 32, 0, stream>>>(p, units);
+  return cudaGetLastError();
+}
 
 // Mean tokens per sequence up to which the persistent decode kernels take a call (decode,
 // speculative verification). A long sequence is a chain of token latencies, and decode_step_vfirst
