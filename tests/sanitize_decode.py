@@ -6,7 +6,9 @@
 In both kernel families: an fp32 pool with one token per sequence (decode_stream.cuh with its L2
 prefetch) and with three (without), an fp32 pool with token rows off 16-byte alignment
 (decode_bulk.cuh), a bf16 pool with one token (decode_stream_tc.cuh), with two and varlen with
-zero-length sequences (decode_bulk.cuh), and a K-first state; pools with padding slots.
+zero-length sequences (decode_bulk.cuh), and a K-first state; pools with padding slots. The
+decode_bulk.cuh cases have about 2000 work items, so that every block of its persistent grid (at
+most 2 per SM) takes more items than its ring has stages and reuses them.
 """
 
 import torch
@@ -46,10 +48,10 @@ if __name__ == "__main__":
         _ext.set_kernel_family(family)
         pool_call(torch.float32, T=1)
         pool_call(torch.float32, T=3)
-        pool_call(torch.float32, T=1, misalign=True)
+        pool_call(torch.float32, T=1, misalign=True, N=64, HV=8)  # 32-row items: 2048
         pool_call(torch.bfloat16, T=1)
-        pool_call(torch.bfloat16, T=2)
-        pool_call(torch.bfloat16, lens=[1, 0, 3, 2, 0, 1, 1, 2] * 5)
+        pool_call(torch.bfloat16, T=2, N=128, HV=8)  # 64-row items: 2048
+        pool_call(torch.bfloat16, lens=[1, 0, 3, 2, 0, 1, 1, 2] * 16, HV=8)
         kw = make_inputs(B=8, T=2, H=1, HV=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=False)
         flashkda.fused_recurrent_kda(**kw, output_final_state=True)
     torch.cuda.synchronize()
