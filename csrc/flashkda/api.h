@@ -14,7 +14,8 @@ namespace flashkda {
 template <typename Elem, int D>
 cudaError_t run_recurrent(const RecurrentParams& params, cudaStream_t stream);
 
-// Head dim (K == V) of the decode kernels run_decode_stream and run_decode_bulk.
+// Head dim (K == V) of the persistent decode kernels (run_decode_stream, run_decode_stream_tc,
+// run_decode_bulk).
 constexpr int kDecodeBulkHeadDim = 128;
 
 // Decode step for fp32 V-first states (decode_stream.cuh), any sm_80+ device. Sets `launched` to

@@ -234,7 +234,8 @@ __device__ __forceinline__ void vfirst_token_update(float (&S)[kRows][kChunks][k
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host-side helpers of the persistent decode kernels (decode_stream.cuh, decode_bulk.cuh)
+// Host-side helpers of the persistent decode kernels (decode_stream.cuh, decode_stream_tc.cuh,
+// decode_bulk.cuh)
 // ---------------------------------------------------------------------------------------------
 
 // A per-device value (a kernel's resident blocks per SM), computed by `query` on the first call on
