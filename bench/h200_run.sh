@@ -13,8 +13,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, PREPARE_CLOCKS=1 the
 # tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the chunk
 # tests, the sanitizers and prefill_quick)
-# | fla (the tests that run FLA's Triton kernels, marked fla_compile, then the prefill rows with the
-# FLA baselines) | profile (bench/ncu_hotspots.sh on chunk_prepare, chunk_recurrence and the sm_90
+# | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
+# backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on chunk_prepare, chunk_recurrence and the sm_90
 # decode kernel).
 # FLA's Triton kernels compile (and autotune) on first use: minutes on a fresh machine (one test
 # took 205 s). A Triton cache from an earlier run, carried as .cache/triton.tar.xz.NN (git-ignored:
@@ -104,7 +104,7 @@ if [[ $what == profile ]]; then  # Nsight Compute: stall reasons and hot lines (
 fi
 if [[ $what == fla ]]; then
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
-  timeout ${TEST_LIMIT:-400} python3 -m pytest -q tests/test_fla_backend.py -m fla_compile --tb=short -p no:cacheprovider \
+  timeout ${TEST_LIMIT:-400} python3 -m pytest -q tests/test_fla_backend.py -m "${FLA_MARK-fla_compile}" --tb=short -p no:cacheprovider \
     --durations=3 2>&1 | tail -6
 fi
 if [[ $what == prefill || $what == fla ]]; then

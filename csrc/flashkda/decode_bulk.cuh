@@ -383,23 +383,21 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
           o_rows[(h.bos + h.len - 1) * p.o_token_stride + j * S::kRowsPerPass] = from_float<Elem>(o_last[j]);
     }
 
-    // Every lane is done with the stage; it goes back to the producer once no store reads it. A
-    // stored stage is released one item late, so that waiting for its store costs nothing.
-    __syncwarp();
-    if (lane == 0) {
-      if (stored) {
-        sm90::bulk_commit();
-        sm90::bulk_wait_read<1>();
-        if (pending >= 0) sm90::mbarrier_arrive(&empty[pending]);
-        pending = stage;
-      } else {
-        if (pending >= 0) {
-          sm90::bulk_wait_read<0>();
-          sm90::mbarrier_arrive(&empty[pending]);
-          pending = -1;
-        }
-        sm90::mbarrier_arrive(&empty[stage]);
+    // The stage goes back to the producer once every lane is done with it (each lane arrives for its
+    // own accesses, so the producer's next copy into the stage is ordered after all of them) and no
+    // store reads it (lane 0, which issued the store, arrives after waiting for that). A stored
+    // stage is released one item late, so that waiting for its store costs nothing.
+    if (stored) {
+      if (lane == 0) sm90::bulk_commit(), sm90::bulk_wait_read<1>();
+      if (pending >= 0) sm90::mbarrier_arrive(&empty[pending]);
+      pending = stage;
+    } else {
+      if (pending >= 0) {
+        if (lane == 0) sm90::bulk_wait_read<0>();
+        sm90::mbarrier_arrive(&empty[pending]);
+        pending = -1;
       }
+      sm90::mbarrier_arrive(&empty[stage]);
     }
     if (++stage == S::kStages) stage = 0, phase ^= 1;
   }
@@ -414,12 +412,12 @@ __global__ void __launch_bounds__(Shape<Elem, StateT, Tune>::kThreads, Shape<Ele
   using S = Shape<Elem, StateT, Tune>;
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);  // tile and token bytes landed
-  uint64_t* empty = full + S::kStages;                 // every consumer warp is done with the stage
+  uint64_t* empty = full + S::kStages;                 // every consumer lane is done with the stage
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S::kStages; ++s) {
       sm90::mbarrier_init(&full[s], 1);
-      sm90::mbarrier_init(&empty[s], S::kConsumerWarps);
+      sm90::mbarrier_init(&empty[s], 32 * S::kConsumerWarps);
     }
     sm90::fence_mbarrier_init();
   }
