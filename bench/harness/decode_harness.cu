@@ -6,7 +6,7 @@
 // bf16 pool, T tokens per sequence (argv[2], default 1). Prints the median kernel time of
 // back-to-back launches and the fraction of the floor (state read and written once plus the token
 // tensors, at the measured copy bandwidth), and how far decode_stream's output and state are from
-// decode_bulk's after one step from the same pool.
+// decode_bulk's after one step from the same pool. argv[3]: see the grid sweep at the end.
 //   nvcc -std=c++17 -O3 -Icsrc -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -DCONSUMER_WARPS=4 -DITEM_ROWS=32 -DBLOCKS_PER_SM=2 -DSTATE=float bench/harness/decode_harness.cu \
 //        -o dh && ./dh 1024 [T]
@@ -42,7 +42,7 @@ using Tune = flashkda::decode_bulk::Tuning<CONSUMER_WARPS, ITEM_ROWS, BLOCKS_PER
 using StateT = STATE;
 
 int main(int argc, char** argv) {
-  // argv: N [T tokens per sequence]
+  // argv: N [T tokens per sequence [block counts for the grid sweep]]
   DecodeCase<StateT> c;
   if (!c.init(argc > 1 ? std::atoi(argv[1]) : 1024, true, argc > 2 ? std::atoi(argv[2]) : 1)) return 1;
   const int N = c.N;
@@ -101,5 +101,29 @@ int main(int argc, char** argv) {
                 "vs bulk: rel diff o %.1e, state %.1e\n",
                 sizeof(StateT) == 4 ? "fp32" : "bf16", sizeof(StateT) == 4 ? "decode_stream" : "decode_stream_tc", N, c.T,
                 ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch[0], ms_prefetch[1], o_diff, s_diff);
+  // argv[3] (optional): comma-separated block counts for the register-streaming kernel with the
+  // library's prefetch (one stride), e.g. 264,256,248: whether a grid whose warps divide the work
+  // units evenly (no partial last round) is faster.
+  if (argc > 3 && stream_launched) {
+    constexpr bool kFp32 = sizeof(StateT) == 4;
+    const uint32_t units = kFp32 ? uint32_t(int64_t(N) * p.HV * flashkda::decode_stream::kBlocksV)
+                                 : uint32_t(int64_t(N) * p.HV * (flashkda::decode_stream_tc::kBlocksV /
+                                                                 flashkda::decode_stream_tc::kItemsPerUnit));
+    const int warps = kFp32 ? flashkda::decode_stream::kWarps : flashkda::decode_stream_tc::kWarps;
+    for (const char* s = argv[3]; *s;) {
+      char* end = nullptr;
+      const unsigned grid = unsigned(std::strtoul(s, &end, 10));
+      if (end == s || grid == 0) break;
+      s = *end == ',' ? end + 1 : end;
+      const float t = median_ms([&] {
+        if constexpr (kFp32)
+          flashkda::decode_stream::decode_step_stream<bf16, 1><<<grid, warps * 32>>>(p, units);
+        else
+          flashkda::decode_stream_tc::decode_step_stream_tc<bf16, 1><<<grid, warps * 32>>>(p, units);
+      }, 100);
+      CHECK(cudaGetLastError());
+      std::printf("  grid %4u blocks (%.2f rounds of work units): %.4f ms\n", grid, double(units) / (grid * warps), t);
+    }
+  }
   return 0;
 }
