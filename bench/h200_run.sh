@@ -14,8 +14,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the chunk
 # tests, the sanitizers and prefill_quick)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
-# backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on chunk_prepare, chunk_recurrence and the sm_90
-# decode kernel).
+# backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
+# chunk_prepare, chunk_recurrence and the sm_90 decode kernel).
 # FLA's Triton kernels compile (and autotune) on first use: minutes on a fresh machine (one test
 # took 205 s). A Triton cache from an earlier run, carried as .cache/triton.tar.xz.NN (git-ignored:
 # name .cache in the device call's carry), is unpacked first. Every run leaves its cache in
