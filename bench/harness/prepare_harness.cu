@@ -1,5 +1,7 @@
 // Standalone timing of chunk_prepare without PyTorch: T tokens, H heads (argv), bf16 inputs, the
-// benchmark's lower-bound gate with A_log / dt_bias, l2norm and beta sigmoid. With PHASE_CLOCKS,
+// benchmark's lower-bound gate with A_log / dt_bias, l2norm and beta sigmoid. argv[3], a path: the
+// records are written there after the timing (variants that only reorder work must write the
+// same bytes: compare two builds' files with cmp). With PHASE_CLOCKS,
 // chunk_prepare.cuh is the copy patched by phase_clocks.py and thread 0 of every block adds the
 // clock cycles of each phase to g_phase_cycles.
 //   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
@@ -55,6 +57,16 @@ int main(int argc, char** argv) {
   const double bytes = double(n_tok) * 6 + double(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes;
   std::printf("chunk_prepare T=%d H=%d: median %.3f ms (%.2f TB/s of inputs + records)\n", T, H, med,
               bytes / (med * 1e-3) / 1e12);
+  if (argc > 3) {
+    std::vector<unsigned char> rec(size_t(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes);
+    CHECK(cudaMemcpy(rec.data(), p.workspace, rec.size(), cudaMemcpyDeviceToHost));
+    FILE* f = std::fopen(argv[3], "wb");
+    if (f == nullptr || std::fwrite(rec.data(), 1, rec.size(), f) != rec.size()) {
+      std::fprintf(stderr, "cannot write %s\n", argv[3]);
+      return 1;
+    }
+    std::fclose(f);
+  }
 #ifdef PHASE_CLOCKS
   unsigned long long cyc[16];
   CHECK(cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof(cyc)));
