@@ -83,11 +83,12 @@ int main(int argc, char** argv) {
 
   const float ms = median_ms([&] { flashkda::run_decode_bulk_tuned<bf16, StateT, Tune>(p, 0, launched); }, 50);
   CHECK(cudaGetLastError());
-  float ms_stream = 0.f, ms_prefetch[2] = {0.f, 0.f};
+  float ms_stream = 0.f, ms_prefetch[3] = {0.f, 0.f, 0.f};
   if (stream_launched) {
     ms_stream = median_ms([&] { run_stream(P0{}, stream_launched); }, 50);
     ms_prefetch[0] = median_ms([&] { run_stream(P1{}, stream_launched); }, 50);
     ms_prefetch[1] = median_ms([&] { run_stream(P2{}, stream_launched); }, 50);
+    ms_prefetch[2] = median_ms([&] { run_stream(std::integral_constant<int, 3>{}, stream_launched); }, 50);
     CHECK(cudaGetLastError());
   }
   const double floor_ms = c.floor_bytes() / bw * 1e3;
@@ -97,12 +98,12 @@ int main(int argc, char** argv) {
               sizeof(StateT) == 4 ? "fp32" : "bf16", Tune::kConsumerWarps, Tune::kItemRows, Tune::kBlocksPerSm,
               S::kStages, N, c.T, ms, floor_ms, 100.0 * floor_ms / ms, bw / 1e12);
   if (stream_launched)
-    std::printf("state %-5s %-16s N=%4d T=%d: %.4f ms (%.0f%% of the floor); L2 prefetch 1 / 2 ahead %.4f / %.4f ms | "
-                "vs bulk: rel diff o %.1e, state %.1e\n",
+    std::printf("state %-5s %-16s N=%4d T=%d: %.4f ms (%.0f%% of the floor); L2 prefetch 1 / 2 ahead %.4f / %.4f ms, "
+                "1 ahead evict-last %.4f ms | vs bulk: rel diff o %.1e, state %.1e\n",
                 sizeof(StateT) == 4 ? "fp32" : "bf16", sizeof(StateT) == 4 ? "decode_stream" : "decode_stream_tc", N, c.T,
-                ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch[0], ms_prefetch[1], o_diff, s_diff);
+                ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch[0], ms_prefetch[1], ms_prefetch[2], o_diff, s_diff);
   // argv[3] (optional): comma-separated block counts for the register-streaming kernel with the
-  // library's prefetch (one stride), e.g. 264,256,248: whether a grid whose warps divide the work
+  // library's prefetch (one stride; evict-last for decode_stream_tc), e.g. 264,256,248: whether a grid whose warps divide the work
   // units evenly (no partial last round) is faster.
   if (argc > 3 && stream_launched) {
     constexpr bool kFp32 = sizeof(StateT) == 4;
@@ -119,7 +120,7 @@ int main(int argc, char** argv) {
         if constexpr (kFp32)
           flashkda::decode_stream::decode_step_stream<bf16, 1><<<grid, warps * 32>>>(p, units);
         else
-          flashkda::decode_stream_tc::decode_step_stream_tc<bf16, 1><<<grid, warps * 32>>>(p, units);
+          flashkda::decode_stream_tc::decode_step_stream_tc<bf16, 3><<<grid, warps * 32>>>(p, units);
       }, 100);
       CHECK(cudaGetLastError());
       std::printf("  grid %4u blocks (%.2f rounds of work units): %.4f ms\n", grid, double(units) / (grid * warps), t);

@@ -261,12 +261,19 @@ __device__ __forceinline__ float token_update(const Prepared& t, float v, float 
 // Asks L2 to fetch the 128-byte line at `ptr` (no registers, no wait).
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
 
+// The same with the L2 evict-last priority, so that the line stays until its load comes.
+__device__ __forceinline__ void prefetch_l2_evict_last(const void* ptr) {
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(ptr));
+}
+
 // kPrefetch: while an item is computed, the state rows of the item kPrefetch strides ahead (0: none)
 // are prefetched into L2, one 128-byte line per lane, so that their loads find them there. Measured on
 // the H200 (bench/harness/decode_harness.cu, one token per sequence, N = 64 / 256 / 1024): none
 // 0.0810 / 0.2910 / 1.1332 ms, one stride 0.0793 / 0.2838 / 1.1012, two strides 0.0826 / 0.2954 /
-// 1.1468. With 2 or 4 tokens per sequence (N = 256) one stride is 1-2% slower than none, so
-// run_decode_stream prefetches only for uniform batches of one token.
+// 1.1468; 3, one stride with the evict-last priority, 0.0788 / 0.2855 / 1.1188 against one stride's
+// 0.0781 / 0.2843 / 1.1107 in the same run. With 2 or 4 tokens per sequence (N = 256) one stride is
+// 1-2% slower than none, so run_decode_stream prefetches one stride, only for uniform batches of one
+// token.
 template <typename Elem, int kPrefetch = 0>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream(const RecurrentParams p, const uint32_t num_items) {
@@ -280,7 +287,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   if (item >= num_items) return;
   Item cur = resolve_item(p, item), next{};
   if (item + stride < num_items) next = resolve_item(p, item + stride);
-  static_assert(kPrefetch >= 0 && kPrefetch <= 2, "prefetch distance: 0, 1 or 2 strides");
+  static_assert(kPrefetch >= 0 && kPrefetch <= 3, "prefetch distance: 0, 1 or 2 strides; 3: 1 with evict-last");
   static_assert(kItemRows * D * sizeof(float) == 32 * 128, "an item is one 128-byte line per lane");
   // Line `lane` of an item's state in its read slot, or null when it has none.
   auto item_line = [&](const Item& it) -> const float* {
@@ -320,6 +327,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   while (true) {
     if constexpr (kPrefetch == 1) {
       if (item + stride < num_items && next.read_slot >= 0) prefetch_l2(item_line(next));
+    } else if constexpr (kPrefetch == 3) {
+      if (item + stride < num_items && next.read_slot >= 0) prefetch_l2_evict_last(item_line(next));
     } else if constexpr (kPrefetch == 2) {
       if (ahead != nullptr) prefetch_l2(ahead);
     }

@@ -10,8 +10,11 @@
 // S ⊙ d + u kᵀ stays elementwise: 0.168 ms in its prototype (BENCHMARK_H200.md).
 //
 // Work item: (sequence, value head, 16 value rows), 4 KB of bf16 state, held packed in registers as
-// the MMA's A operand. Lane (g = lane / 4, t = lane % 4) loads rows g and g + 8, keys 32c + 8t ..
-// 32c + 8t + 7 for c = 0..3 (16-byte loads; an instruction covers 64 contiguous bytes of 8 rows).
+// the MMA's A operand. Lane (g = lane / 4, t = lane % 4) holds rows g and g + 8, keys 32c + 8t ..
+// 32c + 8t + 7 for c = 0..3. It stores them as they are (16-byte stores; an instruction covers 64
+// bytes of each of 8 rows), but loads go in line order (an instruction covers 512 contiguous
+// bytes) and reach the fragment layout through a per-warp shared-memory tile: the half-line loads
+// cost the memory system about 5% (bench/harness/rmw_fragment_probe.cu) and the kernel 3-4%.
 // A sum over K does not depend on the order of the keys, so k-step s = 2c + h of the product takes
 // keys 32c + 8t + 4h + {0, 1} at k positions 2t, 2t + 1 and keys 32c + 8t + 4h + {2, 3} at 2t + 8,
 // 2t + 9, which is where that lane's registers already hold them; the B operand (16 x 8) lists the
@@ -129,16 +132,30 @@ __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
                     sm80::pack2<bf16>(x[6], x[7]));
 }
 
+// An item's state as loaded, per warp: row r's 16-byte chunk j at r * 16 + (j ^ 4 (r & 1)), so that
+// the line-order writes and the fragment-order reads are both free of bank conflicts.
+struct Tile {
+  static constexpr int kChunksPerRow = D * int(sizeof(bf16)) / 16;
+  uint4 chunk[kRows * kChunksPerRow];
+  __device__ __forceinline__ uint4& at(int r, int j) { return chunk[r * kChunksPerRow + (j ^ ((r & 1) << 2))]; }
+};
+
 // kPrefetch: while an item is computed, state rows ahead are prefetched into L2, one 128-byte line per
-// lane and instruction: 1, the next item's; 2, at the start of a unit, the whole next unit's.
-// Measured on the H200 (bench/harness/decode_harness.cu, N = 64 / 256 / 1024): none 0.0511 / 0.1689
-// / 0.6382 ms, 1: 0.0454 / 0.1647 / 0.6134, 2: 0.0445 / 0.2020 / 0.7982. The library runs 1.
+// lane and instruction: 1, the next item's; 3, the same with the evict-last priority, so that the line
+// is still there when its load comes; 2, at the start of a unit, the whole next unit's. Measured on
+// the H200 (bench/harness/decode_harness.cu, N = 64 / 256 / 1024, ms, one run): none 0.0503 / 0.1661
+// / 0.6410, 1: 0.0449 / 0.1636 / 0.6047, 3: 0.0455 / 0.1611 / 0.5983, 2: 0.0456 / 0.2006 / 0.7952.
+// The library runs 3. Also measured in that run and not kept: units of 8 items (1: 0.0428 / 0.1622 /
+// 0.6058) and stores as one 4 KB bulk copy of the tile per item (whole-line writes; 1: 0.0470 /
+// 0.1649 / 0.6075).
 template <typename Elem, int kPrefetch = 0>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream_tc(const RecurrentParams p, const uint32_t num_units) {
   __shared__ Scratch scratch[kWarps];
+  __shared__ Tile tiles[kWarps];  // with the scratch, 48 KB: the static limit
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
   Scratch& sc = scratch[warp];
+  Tile& tile = tiles[warp];
   const uint32_t stride = gridDim.x * kWarps;
   const int64_t slot_elems = int64_t(p.HV) * D * D;
   const bf16* state_in = static_cast<const bf16*>(p.state_in);
@@ -155,20 +172,22 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     return int64_t(slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0 + g + 8 * h) * D + 8 * t4;
   };
   static_assert(kRows * D * sizeof(bf16) == 32 * 128, "an item is one 128-byte line per lane");
-  // Line `lane` of an item's state in its read slot (read_slot >= 0).
-  auto item_line = [&](const Item& it) {
-    return state_in + int64_t(it.read_slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0) * D + 64 * lane;
+  // An item's first state element in its read slot (read_slot >= 0), and line `lane` of the item.
+  auto item_state = [&](const Item& it) {
+    return state_in + int64_t(it.read_slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0) * D;
   };
-  uint4 A[2][4];  // rows g, g + 8; chunks c
+  auto item_line = [&](const Item& it) { return item_state(it) + 64 * lane; };
+  // A: rows g, g + 8, chunks c once in fragment order (to_fragments); loaded in line order,
+  // A[i / 4][i % 4] holding the item's 16-byte chunk 32 i + lane (row line_row(i), chunk lane % 16).
+  uint4 A[2][4];
+  auto line_row = [&](int i) { return 2 * i + lane / 16; };
   decode_stream::TokenRaw<Elem> tok;
   Elem v[2];  // the token's v at rows g, g + 8
   auto load_item = [&](const Item& it, bool token) {
+    const uint4* src = reinterpret_cast<const uint4*>(item_state(it));
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        A[h][c] = it.read_slot >= 0 ? __ldcs(reinterpret_cast<const uint4*>(state_in + row(it, it.read_slot, h)) + 4 * c)
-                                    : make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < 8; ++i)
+      A[i / 4][i % 4] = it.read_slot >= 0 ? __ldcs(src + 32 * i + lane) : make_uint4(0u, 0u, 0u, 0u);
     if (!it.skip) {
       const decode_stream::Item si = as_stream_item(it);
       if (token) tok = decode_stream::load_token<Elem>(p, si, 0, lane);
@@ -176,16 +195,29 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     }
   };
   load_item(cur, true);
+  auto to_fragments = [&] {
+    __syncwarp();  // every lane has read the previous item's fragments
+#pragma unroll
+    for (int i = 0; i < 8; ++i) tile.at(line_row(i), lane % 16) = A[i / 4][i % 4];
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) A[h][c] = tile.at(g + 8 * h, 4 * c + t4);
+  };
 
   uint32_t B[8][2];
   decode_stream::Prepared t{};
   while (true) {
-    if constexpr (kPrefetch == 1) {
+    if constexpr (kPrefetch == 1 || kPrefetch == 3) {  // 3: with the evict-last priority
       const bool same_unit = m + 1 < kItemsPerUnit;
       if (same_unit || unit + stride < num_units) {
         Item after = same_unit ? cur : next;
         if (same_unit) after.v0 += kRows;
-        if (after.read_slot >= 0) decode_stream::prefetch_l2(item_line(after));
+        if (after.read_slot >= 0) {
+          if constexpr (kPrefetch == 3) decode_stream::prefetch_l2_evict_last(item_line(after));
+          else decode_stream::prefetch_l2(item_line(after));
+        }
       }
     } else if constexpr (kPrefetch == 2) {
       if (m == 0 && unit + stride < num_units && next.read_slot >= 0)
@@ -193,6 +225,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
         for (int i = 0; i < kItemsPerUnit; ++i) decode_stream::prefetch_l2(item_line(next) + i * kRows * D);
     }
     Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 + g;
+    to_fragments();
     if (cur.skip) {
       if (t4 == 0) o[0] = o[8] = from_float<Elem>(0.f);
     } else {
@@ -278,7 +311,7 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
 
 template <typename Elem>
 cudaError_t run_decode_stream_tc(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
-  return decode_stream_tc::run<Elem, 1>(p, stream, launched);
+  return decode_stream_tc::run<Elem, 3>(p, stream, launched);
 }
 
 }  // namespace flashkda
