@@ -605,17 +605,19 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   const int64_t record_bytes = slots * p.HV * chunk::WorkspaceLayout::kRecordBytes;
   const int64_t segment_bytes =
       segment_count(p) * chunk::SegmentLayout::kKinds * p.HV * chunk::SegmentLayout::kMatrixFloats * 4;
-  // Varlen index: slot_chunks (int64, first: 8-byte aligned after the records and segments),
-  // then chunk_offsets.
+  // Varlen index: ordered_spans (int4, first: 16-byte aligned after the records and segments), then
+  // slot_chunks (int64), then chunk_offsets.
+  const int64_t order_bytes = p.cu_seqlens != nullptr ? int64_t(p.N) * 16 : 0;
   const int64_t slot_bytes = p.cu_seqlens != nullptr ? slots * 8 : 0;
-  const int64_t index_bytes = p.cu_seqlens != nullptr ? slot_bytes + (int64_t(p.N) + 1) * 4 : 0;
+  const int64_t index_bytes = p.cu_seqlens != nullptr ? order_bytes + slot_bytes + (int64_t(p.N) + 1) * 4 : 0;
   const at::Tensor workspace = at::empty({record_bytes + segment_bytes + index_bytes}, q.options().dtype(at::kByte));
   uint8_t* const ws = static_cast<uint8_t*>(workspace.data_ptr());
   p.workspace = ws;
   if (segment_bytes > 0) p.seg_states = reinterpret_cast<float*>(ws + record_bytes);  // 16-byte aligned
   if (p.cu_seqlens != nullptr) {
-    p.slot_chunks = reinterpret_cast<int64_t*>(ws + record_bytes + segment_bytes);
-    p.chunk_offsets = reinterpret_cast<int32_t*>(ws + record_bytes + segment_bytes + slot_bytes);
+    p.ordered_spans = reinterpret_cast<int32_t*>(ws + record_bytes + segment_bytes);
+    p.slot_chunks = reinterpret_cast<int64_t*>(ws + record_bytes + segment_bytes + order_bytes);
+    p.chunk_offsets = reinterpret_cast<int32_t*>(ws + record_bytes + segment_bytes + order_bytes + slot_bytes);
   }
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -49,6 +49,17 @@ def test_kda_modes_varlen(dtype, state_v_first, gate):
     _check(kw)
 
 
+def test_many_sequences_longest_first():
+    """More sequences than chunk_index has threads, of lengths over many sort keys (empty ones
+    included, the longest last in the batch): chunk_recurrence takes them longest first through
+    ordered_spans, and every sequence must still get its own output and final state."""
+    gen = torch.Generator().manual_seed(7)
+    short = [0, 1, 2, 5, 16, 17, 33, 64, 65]
+    lens = [short[int(i)] for i in torch.randint(len(short), (1100,), generator=gen)] + [130, 300, 520, 1100]
+    kw = make_inputs(lens=lens, H=1, HV=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
+    _check(kw)
+
+
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus", "precomputed"])
 def test_gdn_modes(gate):
     kw = make_inputs(lens=[130, 1, 64, 300], H=2, HV=2, D=128, gate=gate, gdn=True, dtype=torch.bfloat16,

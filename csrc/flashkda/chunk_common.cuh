@@ -47,16 +47,19 @@ __device__ __forceinline__ int64_t recorded_chunks(const ChunkParams& p, const S
   return chunks < last ? chunks : (last > 0 ? last : 0);
 }
 
+// Varlen batches: the clamped span of sequence n (cu_seqlens on the device may be anything).
+__device__ __forceinline__ void varlen_bounds(const ChunkParams& p, int n, int64_t& bos, int64_t& len) {
+  int64_t b = load_index(p.cu_seqlens, p.cu_type, n), e = load_index(p.cu_seqlens, p.cu_type, n + 1);
+  b = b < 0 ? 0 : (b > p.T ? p.T : b);
+  e = e < b ? b : (e > p.T ? p.T : e);
+  bos = b, len = e - b;
+}
+
 __device__ __forceinline__ SeqSpan sequence_span(const ChunkParams& p, int n) {
   SeqSpan s;
   if (p.cu_seqlens != nullptr) {
     s.batch = 0;
-    int64_t bos = load_index(p.cu_seqlens, p.cu_type, n);
-    int64_t eos = load_index(p.cu_seqlens, p.cu_type, n + 1);
-    bos = bos < 0 ? 0 : (bos > p.T ? p.T : bos);
-    eos = eos < bos ? bos : (eos > p.T ? p.T : eos);
-    s.bos = bos;
-    s.len = eos - bos;
+    varlen_bounds(p, n, s.bos, s.len);
     s.first_slot = p.chunk_offsets[n];
   } else {
     s.batch = n;
@@ -64,6 +67,20 @@ __device__ __forceinline__ SeqSpan sequence_span(const ChunkParams& p, int n) {
     s.len = p.T;
     s.first_slot = int64_t(n) * p.chunks_per_seq;
   }
+  return s;
+}
+
+// The sequence that chunk_recurrence's grid position z takes, and its span: with cu_seqlens the
+// z-th longest (ChunkParams::ordered_spans, one 16-byte load), else sequence z.
+__device__ __forceinline__ SeqSpan ordered_sequence_span(const ChunkParams& p, int z, int& n) {
+  if (p.cu_seqlens == nullptr) {
+    n = z;
+    return sequence_span(p, z);
+  }
+  const int4 r = reinterpret_cast<const int4*>(p.ordered_spans)[z];
+  n = r.x;
+  SeqSpan s;
+  s.batch = 0, s.first_slot = r.y, s.bos = r.z, s.len = r.w;
   return s;
 }
 

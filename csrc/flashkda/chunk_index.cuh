@@ -1,6 +1,7 @@
 // chunk_index: chunk_offsets[n] = Σ_{m<n} ceil(len_m / kChunk) for varlen batches, on the device,
 // and then every chunk slot's first token and length (slot_chunks), so that chunk_prepare maps its
-// work to sequences with one load and without a host sync.
+// work to sequences with one load and without a host sync; and the sequences longest first
+// (ordered_spans) for chunk_recurrence.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,9 +14,20 @@ namespace chunk {
 
 constexpr int kIndexThreads = 1024;
 
+// Sort keys of the longest-first order: a chunk count rounded down to its leading bit and the two
+// bits below it (0 for an empty sequence), so 4 keys per octave, at most 4 · 30 + 4 < 128.
+constexpr int kOrderKeys = 128;
+__device__ __forceinline__ int order_key(int chunks) {
+  if (chunks <= 0) return 0;
+  const int lead = 31 - __clz(chunks);
+  const int below = lead >= 2 ? (chunks >> (lead - 2)) & 3 : (chunks << (2 - lead)) & 3;
+  return 1 + 4 * lead + below;
+}
+
 __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkParams p) {
   __shared__ int warp_total[kIndexThreads / 32];
   __shared__ int carry;
+  __shared__ int key_start[kOrderKeys];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) {
     carry = 0;
@@ -26,10 +38,9 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
     const int n = base + tid;
     int x = 0;
     if (n < p.N) {
-      int64_t bos = load_index(p.cu_seqlens, p.cu_type, n), eos = load_index(p.cu_seqlens, p.cu_type, n + 1);
-      bos = bos < 0 ? 0 : (bos > p.T ? p.T : bos);
-      eos = eos < bos ? bos : (eos > p.T ? p.T : eos);
-      x = int(num_chunks(eos - bos));
+      int64_t bos, len;
+      varlen_bounds(p, n, bos, len);
+      x = int(num_chunks(len));
     }
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -71,6 +82,31 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
       word = pack_slot_chunk(seq.bos + first, rest < kChunk ? int(rest) : kChunk);
     }
     p.slot_chunks[slot] = word;
+  }
+
+  // Longest first: chunk_recurrence's blocks are dispatched in grid order, one (sequence, head)
+  // chain per block, so the longest chains start first and the short ones fill in around them
+  // instead of a long one starting last (a bucket sort by order_key; the order within a key is
+  // whatever the atomics give, which no result depends on).
+  for (int b = tid; b < kOrderKeys; b += kIndexThreads) key_start[b] = 0;
+  __syncthreads();
+  for (int n = tid; n < p.N; n += kIndexThreads) atomicAdd(&key_start[order_key(p.chunk_offsets[n + 1] - p.chunk_offsets[n])], 1);
+  __syncthreads();
+  if (tid == 0) {
+    int start = 0;
+    for (int b = kOrderKeys - 1; b >= 0; --b) {
+      const int count = key_start[b];
+      key_start[b] = start;
+      start += count;
+    }
+  }
+  __syncthreads();
+  for (int n = tid; n < p.N; n += kIndexThreads) {
+    const int first = p.chunk_offsets[n];
+    const int pos = atomicAdd(&key_start[order_key(p.chunk_offsets[n + 1] - first)], 1);
+    int64_t bos, len;
+    varlen_bounds(p, n, bos, len);
+    reinterpret_cast<int4*>(p.ordered_spans)[pos] = make_int4(n, first, int(bos), int(len));
   }
 }
 

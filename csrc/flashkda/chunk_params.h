@@ -70,6 +70,9 @@ struct ChunkParams : RecurrentParams {
   int32_t* chunk_offsets;     // [N + 1] device, varlen only (filled by the chunk_index kernel)
   int64_t* slot_chunks;       // [num_chunk_slots] device, varlen only (chunk_index): each slot's
                               // chunk as pack_slot_chunk(bos, len), 0 past the last chunk
+  int32_t* ordered_spans;     // [N][4] device, varlen only (chunk_index): the sequences longest
+                              // first, each as {n, first chunk slot, bos, len} (chunk_recurrence's
+                              // grid takes them in this order)
   int32_t num_chunk_slots;    // upper bound on the total chunk count: grid size of chunk_prepare
   int32_t chunks_per_seq;     // ceil(T / kChunk) without cu_seqlens
   int32_t value_split;        // blocks per (sequence, head) in chunk_recurrence: kHeadDim / block V

@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     const RecurrencePass pass = p.recurrence_pass;
     const bool segmented = pass != RecurrencePass::kWhole;
     const int hv = blockIdx.y;
-    const int n = segmented ? int(blockIdx.z / uint32_t(p.segments_per_seq)) : int(blockIdx.z);
+    const int z = segmented ? int(blockIdx.z / uint32_t(p.segments_per_seq)) : int(blockIdx.z);
     const int seg = segmented ? int(blockIdx.z % uint32_t(p.segments_per_seq)) : 0;
     const bool transition = pass == RecurrencePass::kSegmentLocal && int(blockIdx.x) >= kValueBlocks;  // v = 0
     const int vblock = int(blockIdx.x) % kValueBlocks;
@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     const int g8 = lane >> 2, t4 = lane & 3;
     const int v_local = 16 * warp;                      // first value row of this warp within the block
     const int v_glob = vblock * kBlockV + v_local;      // ... within the head
-    const SeqSpan seq = sequence_span(p, n);
+    int n;  // the sequence: the z-th longest with cu_seqlens
+    const SeqSpan seq = ordered_sequence_span(p, z, n);
     const int64_t nchunks = recorded_chunks(p, seq);
     // This block's chunks [j0, j1): the sequence, or one segment of it.
     int64_t j0 = 0, j1 = nchunks;
