@@ -124,6 +124,18 @@ int main(int argc, char** argv) {
       }, 100);
       CHECK(cudaGetLastError());
       std::printf("  grid %4u blocks (%.2f rounds of work units): %.4f ms\n", grid, double(units) / (grid * warps), t);
+      if constexpr (!kFp32) {  // the same with 32-bit stores into the tile instead of stmatrix, checked
+        namespace tc = flashkda::decode_stream_tc;
+        constexpr auto kWords = tc::TileStores::kWords;
+        CHECK(cudaMemcpy(c.pool, pool0, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
+        tc::decode_step_stream_tc<bf16, 3, kWords><<<grid, warps * 32>>>(p, units);
+        CHECK(cudaDeviceSynchronize());
+        const double od = rel_diff(o_bulk, c.o, c.tok), sd = rel_diff(pool_bulk, c.pool, c.state);
+        const float tw = median_ms([&] { tc::decode_step_stream_tc<bf16, 3, kWords><<<grid, warps * 32>>>(p, units); }, 100);
+        CHECK(cudaGetLastError());
+        std::printf("  grid %4u blocks, 32-bit tile stores: %.4f ms | vs bulk: rel diff o %.1e, state %.1e\n", grid, tw, od,
+                    sd);
+      }
     }
   }
   return 0;

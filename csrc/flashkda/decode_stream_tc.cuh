@@ -9,20 +9,18 @@
 // 0.186. Here the sums S (d ⊙ k) and S (d ⊙ q) of an item's 16 rows are 8 MMAs, and only the update
 // S ⊙ d + u kᵀ stays elementwise: 0.168 ms in its prototype (BENCHMARK_H200.md).
 //
-// Work item: (sequence, value head, 16 value rows), 4 KB of bf16 state, held packed in registers as
-// the MMA's A operand. Lane (g = lane / 4, t = lane % 4) holds rows g and g + 8, keys 32c + 8t ..
-// 32c + 8t + 7 for c = 0..3. It stores them as they are (16-byte stores; an instruction covers 64
-// bytes of each of 8 rows), but loads go in line order (an instruction covers 512 contiguous
-// bytes) and reach the fragment layout through a per-warp shared-memory tile: the half-line loads
-// cost the memory system about 5% (bench/harness/rmw_fragment_probe.cu) and the kernel 3-4%.
-// A sum over K does not depend on the order of the keys, so k-step s = 2c + h of the product takes
-// keys 32c + 8t + 4h + {0, 1} at k positions 2t, 2t + 1 and keys 32c + 8t + 4h + {2, 3} at 2t + 8,
-// 2t + 9, which is where that lane's registers already hold them; the B operand (16 x 8) lists the
-// keys in the same order. B's columns: 0 d ⊙ k and 1 d ⊙ q rounded to bf16, 2 and 3 what that
-// rounding left (x − bf16(x)), so the products carry about 16 bits of each fp32 factor against the
-// exact bf16 state, with fp32 accumulation (output and state within 1.2e-5 of decode_bulk.cuh).
-// The state is rounded to bf16 after each token, so this kernel takes one token per sequence only
-// (decode_bulk.cuh keeps fp32 between the tokens of a speculative verification).
+// Work item: (sequence, value head, 16 value rows), 4 KB of bf16 state. Each item travels in line
+// order between global memory and a per-warp shared-memory tile (lane l moves 16-byte chunks 32 i +
+// l: every instruction covers 512 contiguous bytes, whole 128-byte lines), and between the tile and
+// registers as the MMA's A operand by ldmatrix / stmatrix: k-step s takes keys 16 s .. 16 s + 15 in
+// their natural order, so lane (g = lane / 4, t = lane % 4) holds rows g and g + 8 at keys
+// 16 s + 2 t, + 1 and 16 s + 8 + 2 t, + 1. The B operand (16 x 8) lists the keys in the same order.
+// B's columns: 0 d ⊙ k and 1 d ⊙ q rounded to bf16, 2 and 3 what that rounding left (x − bf16(x)),
+// so the products carry about 16 bits of each fp32 factor against the exact bf16 state, with fp32
+// accumulation (output and state within 1.5e-5 of decode_bulk.cuh). The update S ⊙ d + u kᵀ runs
+// on the A words in place. The state is rounded to bf16 after each token, so this kernel takes one
+// token per sequence only (decode_bulk.cuh keeps fp32 between the tokens of a speculative
+// verification).
 //
 // A warp walks units of kItemsPerUnit consecutive items of one head, which share the token's
 // preparation: its factors go to the warp's shared-memory scratch (read back by the update) and
@@ -80,9 +78,24 @@ __device__ __forceinline__ decode_stream::Item as_stream_item(const Item& it) {
   return s;
 }
 
-// The current token's factors for all D channels (each lane writes its own four), per warp.
+// The current token's factors for all D channels, per warp, at positions key_position(key).
 struct Scratch {
   float d[D], k[D], dk[D], dq[D];
+};
+
+// Scratch position of key 16 s + 8 q + 2 t + e (s = k-step, t = lane % 4): 16 s + 4 t + 2 q + e, so
+// that a lane's four keys of a k-step (those of its A words) are one float4.
+__device__ __forceinline__ int key_position(int key) {
+  const int s = key >> 4, o = key & 15, q = o >> 3, t = (o & 7) >> 1, e = o & 1;
+  return 16 * s + 4 * t + 2 * q + e;
+}
+
+// An item's state, per warp: row r's 16-byte chunk j at r * 16 + (j ^ (r & 7)), so that line-order
+// accesses and ldmatrix / stmatrix (8 rows of one chunk) are both free of bank conflicts.
+struct Tile {
+  static constexpr int kChunksPerRow = D * int(sizeof(bf16)) / 16;
+  uint4 chunk[kRows * kChunksPerRow];
+  __device__ __forceinline__ uint4& at(int r, int j) { return chunk[r * kChunksPerRow + (j ^ (r & 7))]; }
 };
 
 // Prepares a token: the scratch, the MMA's B operand for k-steps 0..7, beta and k·q.
@@ -91,10 +104,16 @@ __device__ __forceinline__ decode_stream::Prepared prepare(const RecurrentParams
                                                            Scratch& sc, uint32_t (&B)[8][2], int lane) {
   const decode_stream::Prepared t = decode_stream::prepare_token<Elem>(p, r);
   __syncwarp();  // every lane has read the previous token's scratch
-  reinterpret_cast<float4*>(sc.d)[lane] = make_float4(t.d[0], t.d[1], t.d[2], t.d[3]);
-  reinterpret_cast<float4*>(sc.k)[lane] = make_float4(t.k[0], t.k[1], t.k[2], t.k[3]);
-  reinterpret_cast<float4*>(sc.dk)[lane] = make_float4(t.dk[0], t.dk[1], t.dk[2], t.dk[3]);
-  reinterpret_cast<float4*>(sc.dq)[lane] = make_float4(t.dq[0], t.dq[1], t.dq[2], t.dq[3]);
+  // Lane L holds keys 4L .. 4L + 3: positions p0, p0 + 1 and p0 + 4, p0 + 5.
+  const int p0 = key_position(4 * lane);
+  *reinterpret_cast<float2*>(sc.d + p0) = make_float2(t.d[0], t.d[1]);
+  *reinterpret_cast<float2*>(sc.d + p0 + 4) = make_float2(t.d[2], t.d[3]);
+  *reinterpret_cast<float2*>(sc.k + p0) = make_float2(t.k[0], t.k[1]);
+  *reinterpret_cast<float2*>(sc.k + p0 + 4) = make_float2(t.k[2], t.k[3]);
+  *reinterpret_cast<float2*>(sc.dk + p0) = make_float2(t.dk[0], t.dk[1]);
+  *reinterpret_cast<float2*>(sc.dk + p0 + 4) = make_float2(t.dk[2], t.dk[3]);
+  *reinterpret_cast<float2*>(sc.dq + p0) = make_float2(t.dq[0], t.dq[1]);
+  *reinterpret_cast<float2*>(sc.dq + p0 + 4) = make_float2(t.dq[2], t.dq[3]);
   __syncwarp();
   // Lane (g, t) holds column g of B at its keys: 0 d ⊙ k, 1 d ⊙ q (bf16 parts), 2, 3 their
   // remainders, 4..7 zero.
@@ -102,55 +121,46 @@ __device__ __forceinline__ decode_stream::Prepared prepare(const RecurrentParams
   const float* src = (g & 1) ? sc.dq : sc.dk;
   const bool remainder = g >= 2, zero = g >= 4;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const float4 x0 = *reinterpret_cast<const float4*>(src + 32 * c + 8 * t4);
-    const float4 x1 = *reinterpret_cast<const float4*>(src + 32 * c + 8 * t4 + 4);
-    const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-    float part[8];
+  for (int s = 0; s < 8; ++s) {
+    const float4 x4 = *reinterpret_cast<const float4*>(src + 16 * s + 4 * t4);
+    const float x[4] = {x4.x, x4.y, x4.z, x4.w};
+    float part[4];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
+    for (int e = 0; e < 4; ++e) {
       const float hi = __bfloat162float(__float2bfloat16(x[e]));
       part[e] = zero ? 0.f : (remainder ? x[e] - hi : hi);
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      B[2 * c + h][0] = sm80::pack2<bf16>(part[4 * h], part[4 * h + 1]);
-      B[2 * c + h][1] = sm80::pack2<bf16>(part[4 * h + 2], part[4 * h + 3]);
-    }
+    B[s][0] = sm80::pack2<bf16>(part[0], part[1]);  // keys 16 s + 2 t, + 1
+    B[s][1] = sm80::pack2<bf16>(part[2], part[3]);  // keys 16 s + 8 + 2 t, + 1
   }
   return t;
 }
 
-__device__ __forceinline__ void unpack8(const uint4& w, float (&x)[8]) {
-  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) x[2 * i] = __uint_as_float(u[i] << 16), x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-}
+// How the updated fragments reach the tile: stmatrix (sm_90), or 32-bit stores (any device).
+enum class TileStores : int { kByArch = 0, kMatrix = 1, kWords = 2 };
 
-__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
-  return make_uint4(sm80::pack2<bf16>(x[0], x[1]), sm80::pack2<bf16>(x[2], x[3]), sm80::pack2<bf16>(x[4], x[5]),
-                    sm80::pack2<bf16>(x[6], x[7]));
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3]));
+#else
+  __trap();  // TileStores::kByArch never takes this path below sm_90
+#endif
 }
-
-// An item's state as loaded, per warp: row r's 16-byte chunk j at r * 16 + (j ^ 4 (r & 1)), so that
-// the line-order writes and the fragment-order reads are both free of bank conflicts.
-struct Tile {
-  static constexpr int kChunksPerRow = D * int(sizeof(bf16)) / 16;
-  uint4 chunk[kRows * kChunksPerRow];
-  __device__ __forceinline__ uint4& at(int r, int j) { return chunk[r * kChunksPerRow + (j ^ ((r & 1) << 2))]; }
-};
 
 // kPrefetch: while an item is computed, state rows ahead are prefetched into L2, one 128-byte line per
 // lane and instruction: 1, the next item's; 3, the same with the evict-last priority, so that the line
-// is still there when its load comes; 2, at the start of a unit, the whole next unit's. Measured on
-// the H200 (bench/harness/decode_harness.cu, N = 64 / 256 / 1024, ms, one run): none 0.0503 / 0.1661
-// / 0.6410, 1: 0.0449 / 0.1636 / 0.6047, 3: 0.0455 / 0.1611 / 0.5983, 2: 0.0456 / 0.2006 / 0.7952.
-// The library runs 3. Also measured in that run and not kept: units of 8 items (1: 0.0428 / 0.1622 /
-// 0.6058) and stores as one 4 KB bulk copy of the tile per item (whole-line writes; 1: 0.0470 /
-// 0.1649 / 0.6075).
-template <typename Elem, int kPrefetch = 0>
+// is still there when its load comes; 2, at the start of a unit, the whole next unit's (measurements:
+// run_decode_stream_tc below). kStores: TileStores (kByArch in the library; the others for timing
+// and for checking the 32-bit path on an sm_90 device).
+template <typename Elem, int kPrefetch = 0, TileStores kStores = TileStores::kByArch>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream_tc(const RecurrentParams p, const uint32_t num_units) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kMatrixStores = kStores != TileStores::kWords;
+#else
+  constexpr bool kMatrixStores = kStores == TileStores::kMatrix;
+#endif
   __shared__ Scratch scratch[kWarps];
   __shared__ Tile tiles[kWarps];  // with the scratch, 48 KB: the static limit
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
@@ -165,29 +175,27 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   if (unit >= num_units) return;
   Item cur = resolve(p, unit * kItemsPerUnit), next{};
   if (unit + stride < num_units) next = resolve(p, (unit + stride) * kItemsPerUnit);
-  int m = 0;  // item within the unit
+  int m = 0;
 
-  // Row g (h = 0) or g + 8 (h = 1) of an item in a slot, at key 8 t4; chunk c is 32 c further.
-  auto row = [&](const Item& it, int slot, int h) {
-    return int64_t(slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0 + g + 8 * h) * D + 8 * t4;
+  auto item_offset = [&](const Item& it, int slot) {
+    return int64_t(slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0) * D;
   };
-  static_assert(kRows * D * sizeof(bf16) == 32 * 128, "an item is one 128-byte line per lane");
-  // An item's first state element in its read slot (read_slot >= 0), and line `lane` of the item.
-  auto item_state = [&](const Item& it) {
-    return state_in + int64_t(it.read_slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0) * D;
-  };
-  auto item_line = [&](const Item& it) { return item_state(it) + 64 * lane; };
-  // A: rows g, g + 8, chunks c once in fragment order (to_fragments); loaded in line order,
-  // A[i / 4][i % 4] holding the item's 16-byte chunk 32 i + lane (row line_row(i), chunk lane % 16).
-  uint4 A[2][4];
+  auto item_line = [&](const Item& it) { return state_in + item_offset(it, it.read_slot) + 64 * lane; };
+  // L[i]: the item's 16-byte chunk 32 i + lane (row 2 i + lane / 16, chunk lane % 16), in and out.
+  uint4 L[8];
   auto line_row = [&](int i) { return 2 * i + lane / 16; };
+  // ldmatrix / stmatrix address of k-step s: lane supplies row (lane & 7) + 8 ((lane >> 3) & 1) of
+  // chunk 2 s + (lane >> 4).
+  const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mchunk = lane >> 4;
   decode_stream::TokenRaw<Elem> tok;
   Elem v[2];  // the token's v at rows g, g + 8
-  auto load_item = [&](const Item& it, bool token) {
-    const uint4* src = reinterpret_cast<const uint4*>(item_state(it));
+  auto load_state = [&](const Item& it) {
+    const uint4* src = reinterpret_cast<const uint4*>(state_in + item_offset(it, it.read_slot));
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      A[i / 4][i % 4] = it.read_slot >= 0 ? __ldcs(src + 32 * i + lane) : make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < 8; ++i) L[i] = it.read_slot >= 0 ? __ldcs(src + 32 * i + lane) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  auto load_item = [&](const Item& it, bool token) {
+    load_state(it);
     if (!it.skip) {
       const decode_stream::Item si = as_stream_item(it);
       if (token) tok = decode_stream::load_token<Elem>(p, si, 0, lane);
@@ -195,21 +203,12 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     }
   };
   load_item(cur, true);
-  auto to_fragments = [&] {
-    __syncwarp();  // every lane has read the previous item's fragments
-#pragma unroll
-    for (int i = 0; i < 8; ++i) tile.at(line_row(i), lane % 16) = A[i / 4][i % 4];
-    __syncwarp();
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) A[h][c] = tile.at(g + 8 * h, 4 * c + t4);
-  };
 
   uint32_t B[8][2];
+  uint32_t A[8][4];
   decode_stream::Prepared t{};
   while (true) {
-    if constexpr (kPrefetch == 1 || kPrefetch == 3) {  // 3: with the evict-last priority
+    if constexpr (kPrefetch == 1 || kPrefetch == 3) {
       const bool same_unit = m + 1 < kItemsPerUnit;
       if (same_unit || unit + stride < num_units) {
         Item after = same_unit ? cur : next;
@@ -225,23 +224,22 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
         for (int i = 0; i < kItemsPerUnit; ++i) decode_stream::prefetch_l2(item_line(next) + i * kRows * D);
     }
     Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 + g;
-    to_fragments();
     if (cur.skip) {
       if (t4 == 0) o[0] = o[8] = from_float<Elem>(0.f);
     } else {
+      __syncwarp();  // every lane has read the previous item's tile
+#pragma unroll
+      for (int i = 0; i < 8; ++i) tile.at(line_row(i), lane % 16) = L[i];
+      __syncwarp();
+#pragma unroll
+      for (int s = 0; s < 8; ++s) sm80::ldmatrix_x4(A[s], sm80::smem_u32(&tile.at(mrow, 2 * s + mchunk)));
       if (m == 0) t = prepare<Elem>(p, tok, sc, B, lane);
       // Column n of the product at rows g, g + 8 lands in lanes with t4 = n / 2: t4 0 holds the
       // bf16 parts of sk, sq, t4 1 the remainders.
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int s = 0; s < 8; ++s) {
-        const int c = s / 2, w = 2 * (s % 2);
-        const uint32_t* r0 = reinterpret_cast<const uint32_t*>(&A[0][c]);
-        const uint32_t* r1 = reinterpret_cast<const uint32_t*>(&A[1][c]);
-        const uint32_t a[4] = {r0[w], r1[w], r0[w + 1], r1[w + 1]};
-        sm80::mma_16816<bf16>(s % 2 ? acc1 : acc0, a, B[s][0], B[s][1]);  // two chains of four
-      }
-      float sums[4];  // sk(g), sq(g), sk(g + 8), sq(g + 8) in lanes with t4 < 2
+      for (int s = 0; s < 8; ++s) sm80::mma_16816<bf16>(s % 2 ? acc1 : acc0, A[s], B[s][0], B[s][1]);
+      float sums[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         sums[j] = acc0[j] + acc1[j];
@@ -252,29 +250,36 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
       u0 = __shfl_sync(0xffffffffu, u0, lane & ~3);
       u1 = __shfl_sync(0xffffffffu, u1, lane & ~3);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float4 d0 = *reinterpret_cast<const float4*>(sc.d + 32 * c + 8 * t4);
-        const float4 d1 = *reinterpret_cast<const float4*>(sc.d + 32 * c + 8 * t4 + 4);
-        const float4 k0 = *reinterpret_cast<const float4*>(sc.k + 32 * c + 8 * t4);
-        const float4 k1 = *reinterpret_cast<const float4*>(sc.k + 32 * c + 8 * t4 + 4);
-        const float d[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
-        const float k[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+      for (int s = 0; s < 8; ++s) {
+        const float4 d = *reinterpret_cast<const float4*>(sc.d + 16 * s + 4 * t4);
+        const float4 k = *reinterpret_cast<const float4*>(sc.k + 16 * s + 4 * t4);
+        // A[s]: row g keys (2t, 2t+1), row g+8 the same, row g keys (2t+8, 2t+9), row g+8 the same.
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float x[8];
-          unpack8(A[h][c], x);
-          const float u = h ? u1 : u0;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) x[e] = x[e] * d[e] + k[e] * u;
-          A[h][c] = pack8(x);
+        for (int w = 0; w < 4; ++w) {
+          const float u = (w & 1) ? u1 : u0;
+          const float d0 = (w & 2) ? d.z : d.x, d1 = (w & 2) ? d.w : d.y;
+          const float k0 = (w & 2) ? k.z : k.x, k1 = (w & 2) ? k.w : k.y;
+          const float x0 = __uint_as_float(A[s][w] << 16), x1 = __uint_as_float(A[s][w] & 0xffff0000u);
+          A[s][w] = sm80::pack2<bf16>(x0 * d0 + k0 * u, x1 * d1 + k1 * u);
         }
       }
-    }
-    if (!cur.skip && cur.write_slot >= 0) {
+      if (cur.write_slot >= 0) {
+        __syncwarp();  // every lane's ldmatrix reads are done
+        if constexpr (kMatrixStores) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+          for (int s = 0; s < 8; ++s) stmatrix_x4(sm80::smem_u32(&tile.at(mrow, 2 * s + mchunk)), A[s]);
+        } else {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) __stcs(reinterpret_cast<uint4*>(state_out + row(cur, cur.write_slot, h)) + 4 * c, A[h][c]);
+          for (int s = 0; s < 8; ++s)
+#pragma unroll
+            for (int w = 0; w < 4; ++w)
+              reinterpret_cast<uint32_t*>(&tile.at(g + 8 * (w & 1), 2 * s + (w >> 1)))[t4] = A[s][w];
+        }
+        __syncwarp();
+        uint4* dst = reinterpret_cast<uint4*>(state_out + item_offset(cur, cur.write_slot));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) __stcs(dst + 32 * i + lane, tile.at(line_row(i), lane % 16));
+      }
     }
     if (++m < kItemsPerUnit) {
       cur.v0 += kRows;  // the next rows of the same head: same slots, same token
@@ -309,6 +314,13 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
 
 }  // namespace decode_stream_tc
 
+// The library prefetches one item ahead with the evict-last priority. Measured on the H200
+// (bench/harness/decode_harness.cu, N = 64 / 256 / 1024, ms), with the fragment-layout loads and
+// stores that came before this kernel's tile: no prefetch 0.0503 / 0.1661 / 0.6410, one item ahead
+// 0.0449 / 0.1636 / 0.6047, the same with evict-last 0.0455 / 0.1611 / 0.5983, a unit ahead 0.0456 /
+// 0.2006 / 0.7952. This kernel against that one, two runs: 0.0465 / 0.1578 / 0.5901 and 0.0491 /
+// 0.1578 / 0.5928 against 0.0497 / 0.1617 / 0.5945 and 0.0476 / 0.1614 / 0.5947; with 32-bit
+// stores into the tile instead of stmatrix 0.0472 / 0.1595 / 0.5941 and 0.0457 / 0.1599 / 0.5924.
 template <typename Elem>
 cudaError_t run_decode_stream_tc(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   return decode_stream_tc::run<Elem, 3>(p, stream, launched);
