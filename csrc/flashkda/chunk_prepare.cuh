@@ -41,18 +41,20 @@ constexpr int kPrepareThreads = 256;
 constexpr float kMaxSubchunkLogSpan = 80.5f;
 // Operand type of the A / M products (see above).
 using OpElem = __nv_bfloat16;
-// fp32 tiles are padded by 4 words per row so that fragment loads spread over the banks.
-constexpr int kF32Stride = kHeadDim + 4;
-constexpr int kSqStride = kChunk + 1;
+// Three blocks of 8 warps per SM (at most 80 registers and 75 KB of shared memory each): the kernel
+// is bound by latency, and measured on the H200 (T = 8192, H = 96) one block per SM took 1.130 ms,
+// two 0.785 and three 0.750 (bench/harness/prepare_harness.cu; BENCHMARK_H200.md).
+constexpr int kPrepareBlocksPerSm = 3;
 
 constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
 
 struct PrepareSmem {
-  // Phase 0 loads the raw chunk: q in kj, k in kt (MatTile layout, element type of the inputs),
-  // the KDA gate in qi (row-major, its own dtype). Phase 1 overwrites each element in place.
-  float qi[kChunk * kF32Stride];   // q̂ e^{γ−h}, fp32
-  float ki[kChunk * kF32Stride];   // k̂ e^{γ−h}, fp32
+  // Phase 0 loads the raw chunk: q in kj, k in kt (MatTile layout, element type of the inputs), a
+  // 16-bit KDA gate in qi (row-major; an fp32 gate goes straight to registers). Phase 1 overwrites
+  // each element in place.
+  alignas(16) uint8_t qi[kChunk * kHeadDim * 2];  // q̂ e^{γ−h}, OpElem, MatTile
+  alignas(16) uint8_t ki[kChunk * kHeadDim * 2];  // k̂ e^{γ−h}, OpElem, MatTile
   alignas(16) uint8_t kj[kChunk * kHeadDim * 2];  // k̂ e^{h−γ} (column side), OpElem, MatTile
   alignas(16) uint8_t kt[kChunk * kHeadDim * 2];  // k̂ e^{Γ}, Elem, MatTile
   float fac[kPairs][kHeadDim];                    // row factors of the off-diagonal blocks (a, b)
@@ -62,14 +64,28 @@ struct PrepareSmem {
   float qscale[kChunk], kscale[kChunk], beta[kChunk];
   int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
-static_assert(sizeof(float) * kChunk * kF32Stride >= kChunk * kHeadDim * 4, "raw fp32 gate fits in qi");
+static_assert(kPrepareBlocksPerSm * (sizeof(PrepareSmem) + 1024) <= 233472, "three blocks per SM");
 static_assert(kSubChunks == 4, "the phase-2 job list and the inverse assume four sub-chunks");
-// Aliases after the A / M products (see phase 2): amat and linv in ki, tinv_s in qi, the inverse's
-// scratch in the sub-chunk tables, w_s in kj.
+// Aliases after the A / M products (see phase 2): amat in ki, linv in qi, then tinv_s in ki, the
+// inverse's scratch in the sub-chunk tables, w_s in kj.
 enum SubTable : int { kRowPivot = 0, kToStart = 1, kToEnd = 2 };
-constexpr int kAliasSqF32Bytes = kChunk * kSqStride * 4;
-static_assert(2 * kAliasSqF32Bytes <= int(sizeof(float)) * kChunk * kF32Stride, "amat and linv fit in ki");
-static_assert(kAliasSqF32Bytes % 16 == 0, "linv stays 16-byte aligned");
+static_assert(kChunk * kChunk * 4 <= int(sizeof(PrepareSmem::ki)), "an fp32 [kChunk][kChunk] matrix fits in a row tile");
+
+// fp32 [kChunk][kChunk] matrices in shared memory (A, then L = (I + A)⁻¹): element (i, j) at
+// i kChunk + (j ^ 4 (i & 7)), so that fragment accesses of 8 rows spread over the banks without
+// padding. SqF32 views the 16 x 16 block at (r0, c0).
+__device__ __forceinline__ int sq_f32_index(int i, int j) { return i * kChunk + (j ^ ((i & 7) << 2)); }
+struct SqF32 {
+  float* m;
+  int r0, c0;
+  __device__ __forceinline__ float& at(int r, int c) const { return m[sq_f32_index(r0 + r, c0 + c)]; }
+};
+// A plain row-major fp32 block (the off-diagonal inverse's per-warp scratch).
+struct PlainF32 {
+  float* p;
+  int stride;
+  __device__ __forceinline__ float& at(int r, int c) const { return p[r * stride + c]; }
+};
 
 template <typename Elem>
 __device__ __forceinline__ void store_elem(uint8_t* base, uint32_t off, float x) {
@@ -135,7 +151,7 @@ __device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, i
       }
       if (lane == 0) {
         const int row = a * kSubChunk + i, col = a * kSubChunk + j;
-        amat[row * kSqStride + col] = j < i ? sa * s.beta[t] : 0.f;
+        amat[sq_f32_index(row, col)] = j < i ? sa * s.beta[t] : 0.f;
         store_elem<Elem>(mqk, SqTile::offset(row, col), sm);
       }
     }
@@ -158,15 +174,14 @@ static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= int(sizeof(Pr
 constexpr bool kInverseSplitTf32 = false;
 
 // acc (two 16x8 C fragments, columns 0-7 and 8-15) += X · Y for 16x16 fp32 blocks in shared
-// memory (row strides sx, sy), tf32 operands (kInverseSplitTf32: 3xTF32, fp32 accuracy).
-__device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const float* X, int sx, const float* Y,
-                                                   int sy) {
+// memory (views with at(r, c)), tf32 operands (kInverseSplitTf32: 3xTF32, fp32 accuracy).
+template <class XView, class YView>
+__device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const XView& X, const YView& Y) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks) {
     const int k0 = 8 * ks;
-    const float xa[4] = {X[g8 * sx + k0 + t4], X[(g8 + 8) * sx + k0 + t4], X[g8 * sx + k0 + t4 + 4],
-                         X[(g8 + 8) * sx + k0 + t4 + 4]};
+    const float xa[4] = {X.at(g8, k0 + t4), X.at(g8 + 8, k0 + t4), X.at(g8, k0 + t4 + 4), X.at(g8 + 8, k0 + t4 + 4)};
     uint32_t ahi[4], alo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -175,7 +190,7 @@ __device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const flo
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const float y0 = Y[(k0 + t4) * sy + 8 * nt + g8], y1 = Y[(k0 + t4 + 4) * sy + 8 * nt + g8];
+      const float y0 = Y.at(k0 + t4, 8 * nt + g8), y1 = Y.at(k0 + t4 + 4, 8 * nt + g8);
       if constexpr (kInverseSplitTf32) {
         uint32_t bhi0, blo0, bhi1, blo1;
         sm80::split_tf32(y0, bhi0, blo0);
@@ -191,18 +206,19 @@ __device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const flo
 }
 
 // A 16x16 block of C fragments (as block_product_tf32 leaves it), times sign, to shared memory.
-__device__ __forceinline__ void store_block(float* dst, int stride, const float (&acc)[2][4], float sign) {
+template <class View>
+__device__ __forceinline__ void store_block(const View& dst, const float (&acc)[2][4], float sign) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dst[(g8 + 8 * (e >> 1)) * stride + 8 * nt + 2 * t4 + (e & 1)] = sign * acc[nt][e];
+    for (int e = 0; e < 4; ++e) dst.at(g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1)) = sign * acc[nt][e];
 }
 
 // Phase 2 work list: the ten blocks (a, b), b <= a, of A and of M. A is on the critical path (the
 // inverse waits for it): warps 0-4 run two blocks each. M is only stored, so warps 5-7 run three or
-// four blocks each, spread over the stages of A's products, store and inverse. One byte per job,
-// (a << 4) | b, 0xff for none.
+// four blocks each, two during A's products and the rest while A goes to shared memory (then the M
+// rows' tile holds L). One byte per job, (a << 4) | b, 0xff for none.
 constexpr int kAWarps = 5, kMWarps = kPrepareThreads / 32 - kAWarps;
 constexpr int kAJobs = 2;
 __device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
@@ -216,26 +232,27 @@ __device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
 }
 
 
-// acc (16x16 block (a, b)) += rows[a] · diag(f) · kjᵀ[b] over the head dim; rows fp32, kj OpElem.
-// kScaled false: f is 1 (a narrow diagonal block) and is not read.
+// acc (16x16 block (a, b)) += rows[a] · diag(f) · kjᵀ[b] over the head dim; rows and kj OpElem
+// (MatTile). kScaled false: f is 1 (a narrow diagonal block) and is not read.
 template <bool kScaled>
-__device__ __forceinline__ void row_block_product(float (&acc)[2][4], const float* rows, const float* f,
+__device__ __forceinline__ void row_block_product(float (&acc)[2][4], uint32_t rows_base, const float* f,
                                                   uint32_t kj_base, int a, int b) {
-  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-  const int r0 = a * kSubChunk + g8, r1 = r0 + 8;
+  const int lane = threadIdx.x & 31, t4 = lane & 3;
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-    const int dd = 16 * kd + 2 * t4;
-    const float2 f01 = kScaled ? *reinterpret_cast<const float2*>(&f[dd]) : make_float2(1.f, 1.f);
-    const float2 f23 = kScaled ? *reinterpret_cast<const float2*>(&f[dd + 8]) : make_float2(1.f, 1.f);
-    const float2 x00 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd]);
-    const float2 x10 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd]);
-    const float2 x01 = *reinterpret_cast<const float2*>(&rows[r0 * kF32Stride + dd + 8]);
-    const float2 x11 = *reinterpret_cast<const float2*>(&rows[r1 * kF32Stride + dd + 8]);
-    const uint32_t af[4] = {sm80::pack2<OpElem>(x00.x * f01.x, x00.y * f01.y),
-                            sm80::pack2<OpElem>(x10.x * f01.x, x10.y * f01.y),
-                            sm80::pack2<OpElem>(x01.x * f23.x, x01.y * f23.y),
-                            sm80::pack2<OpElem>(x11.x * f23.x, x11.y * f23.y)};
+    uint32_t af[4];  // rows g, g + 8 at keys 16 kd + 2 t, + 1, then at 16 kd + 8 + 2 t, + 1
+    sm80::ldmatrix_x4(af, rows_base + MatTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                            2 * kd + (lane >> 4)));
+    if constexpr (kScaled) {
+      const int dd = 16 * kd + 2 * t4;
+      const float2 f01 = *reinterpret_cast<const float2*>(&f[dd]);
+      const float2 f23 = *reinterpret_cast<const float2*>(&f[dd + 8]);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 fw = w < 2 ? f01 : f23;
+        af[w] = sm80::pack2<OpElem>(__uint_as_float(af[w] << 16) * fw.x, __uint_as_float(af[w] & 0xffff0000u) * fw.y);
+      }
+    }
     uint32_t bf[4];
     sm80::ldmatrix_x4(bf, kj_base + MatTile::chunk_offset(b * kSubChunk + (lane & 7) + (lane >> 4) * 8,
                                                           2 * kd + ((lane >> 3) & 1)));
@@ -245,7 +262,7 @@ __device__ __forceinline__ void row_block_product(float (&acc)[2][4], const floa
 }
 
 template <typename Elem>
-__global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const ChunkParams p) {
+__global__ void __launch_bounds__(kPrepareThreads, kPrepareBlocksPerSm) chunk_prepare_kernel(const ChunkParams p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);
   const int slot = blockIdx.x, hv = blockIdx.y;
@@ -280,11 +297,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       const uint32_t off = MatTile::chunk_offset(t, cg);
       sm80::cp_async_16(sm80::smem_u32(s.kj) + off, qb + tok * p.q_token_stride + d0, valid);
       sm80::cp_async_16(sm80::smem_u32(s.kt) + off, kb + tok * p.k_token_stride + d0, valid);
-      if (!p.scalar_gate) {
+      if (!p.scalar_gate && g_size == 2) {
         const char* src =
             gbytes + (c.batch * p.g_batch_stride + tok * p.g_token_stride + hv * p.g_head_stride + d0) * g_size;
-        const uint32_t dst = sm80::smem_u32(s.qi) + (t * kHeadDim + d0) * g_size;
-        for (int h = 0; h < g_size / 2; ++h) sm80::cp_async_16(dst + 16 * h, src + 16 * h, valid);
+        sm80::cp_async_16(sm80::smem_u32(s.qi) + (t * kHeadDim + d0) * 2, src, valid);
       }
     }
     sm80::cp_async_commit();
@@ -361,8 +377,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       if (p.scalar_gate) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) gl[i][e] = gate_scalar[i];
-      } else if (g_size == 4) {
-        load_floats(&s.qi[t * kHeadDim + d0], gl[i]);
+      } else if (g_size == 4) {  // fp32: straight from global memory (a row tile holds 16-bit gates only)
+        const int64_t tok = c.bos + (t < c.len ? t : 0);
+        load_floats(reinterpret_cast<const float*>(gbytes) + c.batch * p.g_batch_stride + tok * p.g_token_stride +
+                        hv * p.g_head_stride + d0,
+                    gl[i]);
       } else {
         const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint8_t*>(s.qi) + (t * kHeadDim + d0) * 2);
         if (p.g_dtype == DType::kBFloat16) {
@@ -417,7 +436,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   }
   const bool second_slice = (ts & 1) != 0;   // this slice is the later one of its warp
   const bool second_half = (warp & 1) != 0;  // this warp holds the later half of its sub-chunk
-  float* pair = s.ki;  // [kPrepareThreads / 32][kHeadDim]: each warp's two-slice log-decay totals
+  float* pair = reinterpret_cast<float*>(s.ki);  // [kPrepareThreads / 32][kHeadDim]: each warp's two-slice log-decay totals
   if (!second_slice) {
     float both[8];
 #pragma unroll
@@ -488,11 +507,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   __syncthreads();  // also: every read of pair and of the raw gate is done
   const int wide_mask = s.wide_mask;
   {
-    // This sub-chunk's pivot (τ/2 for a narrow channel, 0 for a wide one) and rescaling factors.
-    float h[8], up_row[8], to_end[8];
-    load_floats(&s.sub_table[kRowPivot][sub][d0], h);
-    load_floats(&s.sub_table[kToStart][sub][d0], up_row);
-    load_floats(&s.sub_table[kToEnd][sub][d0], to_end);
+    // This sub-chunk's pivot (τ/2 for a narrow channel, 0 for a wide one) and rescaling factors,
+    // read per channel pair and token (few live registers), and the outputs packed per pair.
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
       const int t = kSliceTokens * ts + i;
@@ -501,49 +517,66 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       const uint4 rk = *reinterpret_cast<const uint4*>(s.kt + moff);
       const Elem* xq = reinterpret_cast<const Elem*>(&rq);
       const Elem* xk = reinterpret_cast<const Elem*>(&rk);
-      float vqi[8], vki[8], vkj[8], vkt[8], vqd[8], vkd[8];
+      uint32_t wqi[4], wki[4], wkj[4], wkt[4], wqd[4], wkd[4];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float pre = off[e], suf = later[e];  // γ (inclusive prefix) and τ − γ (suffix)
+      for (int e2 = 0; e2 < 4; ++e2) {
+        const int dd = d0 + 2 * e2;
+        const float2 h2 = *reinterpret_cast<const float2*>(&s.sub_table[kRowPivot][sub][dd]);
+        const float2 up2 = *reinterpret_cast<const float2*>(&s.sub_table[kToStart][sub][dd]);
+        const float2 to2 = *reinterpret_cast<const float2*>(&s.sub_table[kToEnd][sub][dd]);
+        float vqi[2], vki[2], vkj[2], vkt[2], vqd[2], vkd[2];
 #pragma unroll
-        for (int i2 = 0; i2 < kSliceTokens; ++i2) {
-          if (i2 <= i) pre += gl[i2][e];
-          else suf += gl[i2][e];
+        for (int u = 0; u < 2; ++u) {
+          const int e = 2 * e2 + u;
+          float pre = off[e], suf = later[e];  // γ (inclusive prefix) and τ − γ (suffix)
+#pragma unroll
+          for (int i2 = 0; i2 < kSliceTokens; ++i2) {
+            if (i2 <= i) pre += gl[i2][e];
+            else suf += gl[i2][e];
+          }
+          const float hh = u ? h2.y : h2.x;
+          const float qh = to_float(xq[e]) * qs[i], kh = to_float(xk[e]) * ks[i];
+          const float x = exp2_ftz(pre - hh);  // e^{γ − h}
+          const float y = exp2_ftz(suf - hh);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
+          vqi[u] = qh * x;
+          vki[u] = kh * x;
+          vkj[u] = kh * y;
+          vkt[u] = vki[u] * (u ? up2.y : up2.x);
+          vqd[u] = vqi[u] * (u ? up2.y : up2.x);
+          vkd[u] = vkj[u] * (u ? to2.y : to2.x);
         }
-        const float qh = to_float(xq[e]) * qs[i], kh = to_float(xk[e]) * ks[i];
-        const float x = exp2_ftz(pre - h[e]);  // e^{γ − h}
-        const float y = exp2_ftz(suf - h[e]);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
-        vqi[e] = qh * x;
-        vki[e] = kh * x;
-        vkj[e] = kh * y;
-        vkt[e] = vki[e] * up_row[e];
-        vqd[e] = vqi[e] * up_row[e];
-        vkd[e] = vkj[e] * to_end[e];
+        wqi[e2] = sm80::pack2<OpElem>(vqi[0], vqi[1]);
+        wki[e2] = sm80::pack2<OpElem>(vki[0], vki[1]);
+        wkj[e2] = sm80::pack2<OpElem>(vkj[0], vkj[1]);
+        wkt[e2] = sm80::pack2<Elem>(vkt[0], vkt[1]);
+        wqd[e2] = sm80::pack2<Elem>(vqd[0], vqd[1]);
+        wkd[e2] = sm80::pack2<Elem>(vkd[0], vkd[1]);
       }
-      store_floats(&s.qi[t * kF32Stride + d0], vqi);
-      store_floats(&s.ki[t * kF32Stride + d0], vki);
-      *reinterpret_cast<uint4*>(s.kj + moff) = pack8<OpElem>(vkj);
-      *reinterpret_cast<uint4*>(s.kt + moff) = pack8<Elem>(vkt);
-      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + moff) = pack8<Elem>(vqd);
-      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kKd + moff) = pack8<Elem>(vkd);
+      *reinterpret_cast<uint4*>(s.qi + moff) = make_uint4(wqi[0], wqi[1], wqi[2], wqi[3]);
+      *reinterpret_cast<uint4*>(s.ki + moff) = make_uint4(wki[0], wki[1], wki[2], wki[3]);
+      *reinterpret_cast<uint4*>(s.kj + moff) = make_uint4(wkj[0], wkj[1], wkj[2], wkj[3]);
+      *reinterpret_cast<uint4*>(s.kt + moff) = make_uint4(wkt[0], wkt[1], wkt[2], wkt[3]);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + moff) = make_uint4(wqd[0], wqd[1], wqd[2], wqd[3]);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kKd + moff) = make_uint4(wkd[0], wkd[1], wkd[2], wkd[3]);
     }
   }
   __syncthreads();
 
   // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
   // Two warp groups: A (warps 0-4) goes on to the inverse; M (warps 5-7) writes its blocks straight
-  // to the record, one block per stage of the A group's work. Shared memory from here on:
-  //   ki (A rows, read by the A group only): amat (f32 [kChunk][kSqStride]), then linv after it
-  //   qi (M rows, read by the M group only): tinv_s (SqTile), once every M block is done
+  // to the record, two stages of the A group's work. Shared memory from here on:
+  //   ki (A rows, read by the A group only): amat (sq_f32_index), then tinv_s (SqTile) after the
+  //     off-diagonal inverse
+  //   qi (M rows, read by the M group only): linv (sq_f32_index), once every M block is done
   //   sub_table (dead): scratch of the off-diagonal inverse
   //   kj (column operand of both groups): w_s (MatTile), once every M block is done
-  float* amat = s.ki;
-  float* linv = s.ki + kAliasSqF32Bytes / 4;
-  uint8_t* tinv_s = reinterpret_cast<uint8_t*>(s.qi);
+  float* amat = reinterpret_cast<float*>(s.ki);
+  float* linv = reinterpret_cast<float*>(s.qi);
+  uint8_t* tinv_s = s.ki;
   float* scratch = &s.sub_table[0][0][0];
   uint8_t* w_s = s.kj;
   uint8_t* mqk_rec = rec + WorkspaceLayout::kMqk;
-  const uint32_t kj_base = sm80::smem_u32(s.kj);
+  const uint32_t kj_base = sm80::smem_u32(s.kj), qi_base = sm80::smem_u32(s.qi), ki_base = sm80::smem_u32(s.ki);
   // The M group's blocks, one job slot at a time, run in the A group's stages below; every stage
   // ends at a CTA barrier (M needs none of them, A's inverse needs all of them).
   auto m_job = [&](int slot) {
@@ -551,8 +584,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     block_job(warp, slot, a, b);
     if (a < 0 || (b == a && (wide_mask >> a & 1))) return;  // none, or exact_diagonal_block's
     float acc[2][4] = {};
-    if (b == a) row_block_product<false>(acc, s.qi, nullptr, kj_base, a, b);
-    else row_block_product<true>(acc, s.qi, s.fac[pair_index(a, b)], kj_base, a, b);
+    if (b == a) row_block_product<false>(acc, qi_base, nullptr, kj_base, a, b);
+    else row_block_product<true>(acc, qi_base, s.fac[pair_index(a, b)], kj_base, a, b);
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -575,8 +608,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       int a, b;
       block_job(warp, j, a, b);
       if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes it
-      if (b == a) row_block_product<false>(acc[j], s.ki, nullptr, kj_base, a, b);
-      else row_block_product<true>(acc[j], s.ki, s.fac[pair_index(a, b)], kj_base, a, b);
+      if (b == a) row_block_product<false>(acc[j], ki_base, nullptr, kj_base, a, b);
+      else row_block_product<true>(acc[j], ki_base, s.fac[pair_index(a, b)], kj_base, a, b);
     }
   } else {
     for (int e = tid - 32 * kAWarps; e < kChunk * (kChunk / 8); e += 32 * kMWarps) {
@@ -588,7 +621,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     m_job(1);
   }
   __syncthreads();  // the A rows (ki) are dead
-  // Stage 2: A's blocks to amat (in ki); M: its third block.
+  // Stage 2: A's blocks to amat (in ki); M: its third and fourth blocks (then qi is free for linv).
   if (a_group) {
 #pragma unroll
     for (int j = 0; j < kAJobs; ++j) {
@@ -600,12 +633,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
         for (int hh = 0; hh < 2; ++hh) {
           const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
           const float bi = s.beta[i];
-          amat[i * kSqStride + jc] = jc < i ? acc[j][n][2 * hh] * bi : 0.f;
-          amat[i * kSqStride + jc + 1] = jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f;
+          *reinterpret_cast<float2*>(&amat[sq_f32_index(i, jc)]) =
+              make_float2(jc < i ? acc[j][n][2 * hh] * bi : 0.f, jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f);
         }
     }
   } else {
     m_job(2);
+    m_job(3);
   }
   __syncthreads();
   if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
@@ -613,7 +647,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
     __syncthreads();
   }
 
-  // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 (M: its fourth block meanwhile) ------
+  // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
   if (warp < kSubChunks) {
     if (lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
       const int a = warp, j = lane, base = a * kSubChunk;
@@ -622,13 +656,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
       for (int i = 0; i < kSubChunk; ++i) {
         float accv = i == j ? 1.f : 0.f;
 #pragma unroll
-        for (int l = 0; l < i; ++l) accv -= amat[(base + i) * kSqStride + base + l] * x[l];
+        for (int l = 0; l < i; ++l) accv -= amat[sq_f32_index(base + i, base + l)] * x[l];
         x[i] = accv;
-        linv[(base + i) * kSqStride + base + j] = accv;
+        linv[sq_f32_index(base + i, base + j)] = accv;
       }
     }
-  } else if (!a_group) {
-    m_job(3);
   }
   __syncthreads();
   // Off-diagonal blocks, one warp per block column b (columns are independent):
@@ -636,17 +668,16 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
   // as 16x16x16 products on the tf32 tensor cores.
   if (warp < kSubChunks - 1) {
     const int b = warp;
-    float* scr = scratch + warp * kSubChunk * kScratchStride;
+    const PlainF32 scr{scratch + warp * kSubChunk * kScratchStride, kScratchStride};
     for (int a = b + 1; a < kSubChunks; ++a) {
       float acc2[2][4] = {};
       for (int cc = b; cc < a; ++cc)
-        block_product_tf32(acc2, amat + a * kSubChunk * kSqStride + cc * kSubChunk, kSqStride,
-                           linv + cc * kSubChunk * kSqStride + b * kSubChunk, kSqStride);
-      store_block(scr, kScratchStride, acc2, 1.f);
+        block_product_tf32(acc2, SqF32{amat, a * kSubChunk, cc * kSubChunk}, SqF32{linv, cc * kSubChunk, b * kSubChunk});
+      store_block(scr, acc2, 1.f);
       __syncwarp();
       float acc3[2][4] = {};
-      block_product_tf32(acc3, linv + a * kSubChunk * (kSqStride + 1), kSqStride, scr, kScratchStride);
-      store_block(linv + a * kSubChunk * kSqStride + b * kSubChunk, kSqStride, acc3, -1.f);
+      block_product_tf32(acc3, SqF32{linv, a * kSubChunk, a * kSubChunk}, scr);
+      store_block(SqF32{linv, a * kSubChunk, b * kSubChunk}, acc3, -1.f);
       __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
     }
   }
@@ -658,7 +689,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) chunk_prepare_kernel(const
 #pragma unroll
     for (int m = 0; m < 8; ++m) {
       const int j = 8 * ch + m;
-      x[m] = j <= i ? linv[i * kSqStride + j] * s.beta[j] : 0.f;
+      x[m] = j <= i ? linv[sq_f32_index(i, j)] * s.beta[j] : 0.f;
     }
     const uint4 packed = pack8<Elem>(x);
     *reinterpret_cast<uint4*>(tinv_s + SqTile::chunk_offset(i, ch)) = packed;
