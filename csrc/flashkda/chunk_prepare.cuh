@@ -25,6 +25,7 @@
 
 #include <cstdint>
 
+#include "api.h"
 #include "chunk_common.cuh"
 #include "chunk_params.h"
 #include "mma_sm80.cuh"
@@ -64,7 +65,8 @@ struct PrepareSmem {
   float qscale[kChunk], kscale[kChunk], beta[kChunk];
   int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
-static_assert(kPrepareBlocksPerSm * (sizeof(PrepareSmem) + 1024) <= 233472, "three blocks per SM");
+static_assert(kPrepareBlocksPerSm * (sizeof(PrepareSmem) + kSmemReservedPerBlock) <= kSm90SmemPerSm,
+              "three blocks per SM");
 static_assert(kSubChunks == 4, "the phase-2 job list and the inverse assume four sub-chunks");
 // Aliases after the A / M products (see phase 2): amat in ki, linv in qi, then tinv_s in ki, the
 // inverse's scratch in the sub-chunk tables, w_s in kj.
@@ -250,7 +252,9 @@ __device__ __forceinline__ void row_block_product(float (&acc)[2][4], uint32_t r
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         const float2 fw = w < 2 ? f01 : f23;
-        af[w] = sm80::pack2<OpElem>(__uint_as_float(af[w] << 16) * fw.x, __uint_as_float(af[w] & 0xffff0000u) * fw.y);
+        float lo, hi;
+        sm80::unpack2_bf16(af[w], lo, hi);
+        af[w] = sm80::pack2<OpElem>(lo * fw.x, hi * fw.y);
       }
     }
     uint32_t bf[4];

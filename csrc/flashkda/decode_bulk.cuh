@@ -38,10 +38,6 @@
 namespace flashkda {
 namespace decode_bulk {
 
-// sm_90 shared memory per SM and the part the hardware reserves per resident block.
-constexpr int kSmemPerSm = 228 * 1024;
-constexpr int kSmemReservedPerBlock = 1024;
-
 // The kernel's tuning: consumer warps per block, value rows per work item (one contiguous range of
 // state), resident blocks per SM (the rest of the shared memory becomes stages).
 // bench/harness/run_decode.sh times other choices against these.
@@ -110,7 +106,7 @@ struct Shape {
   static constexpr int kStagesAt = round_up(kScratch + kConsumerWarps * int(sizeof(recurrent::TokenScratch<D>)), 128);
   // The rest of the shared memory goes to stages, so that several loads per block are in flight.
   static constexpr int kBlocksPerSm = Tune::kBlocksPerSm;
-  static constexpr int kStages = (kSmemPerSm / kBlocksPerSm - kSmemReservedPerBlock - kStagesAt) / kStageBytes;
+  static constexpr int kStages = (kSm90SmemPerSm / kBlocksPerSm - kSmemReservedPerBlock - kStagesAt) / kStageBytes;
   static constexpr int kSmemBytes = kStagesAt + kStages * kStageBytes;
 
   static_assert(std::is_same<StateT, float>::value || std::is_same<StateT, __nv_bfloat16>::value, "state: fp32 or bf16");

@@ -259,7 +259,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
           const float u = (w & 1) ? u1 : u0;
           const float d0 = (w & 2) ? d.z : d.x, d1 = (w & 2) ? d.w : d.y;
           const float k0 = (w & 2) ? k.z : k.x, k1 = (w & 2) ? k.w : k.y;
-          const float x0 = __uint_as_float(A[s][w] << 16), x1 = __uint_as_float(A[s][w] & 0xffff0000u);
+          float x0, x1;
+          sm80::unpack2_bf16(A[s][w], x0, x1);
           A[s][w] = sm80::pack2<bf16>(x0 * d0 + k0 * u, x1 * d1 + k1 * u);
         }
       }

@@ -105,6 +105,12 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// The two bf16 of a packed pair (low half first) as floats: exact, two integer instructions.
+__device__ __forceinline__ void unpack2_bf16(uint32_t w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
 // The A fragment of a 16 x 16 operand (m16n8k16 and wgmma k16 register layout) from the two m16n8
 // accumulator tiles that hold its columns 0-7 and 8-15: accumulators feed the next product as is.
 template <typename Elem>
