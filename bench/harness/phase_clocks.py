@@ -7,8 +7,9 @@
 import shutil
 import sys
 
-# Lines before which a mark goes; thread 0 (warp 0, in the A group) takes the time, so the M
-# group's work shows only where A waits for it at a barrier.
+# Lines before which a mark goes; thread 0 (warp 0: an off-diagonal block position of the A / M
+# products, then the inverse) takes the time, so other warps' work shows only where warp 0 waits for
+# it at a barrier.
 MARKS = ["  // ---- Phase", "  // This slice's offsets", "  // Per channel, once",
          "  const int wide_mask = s.wide_mask;", "  // Stage", "  // Off-diagonal blocks", "  // T = L diag"]
 MACRO = ("#define FKDA_MARK { if (threadIdx.x == 0) { const long long now_ = clock64(); "

@@ -18,9 +18,10 @@ cudaError_t run_recurrent(const RecurrentParams& params, cudaStream_t stream);
 // run_decode_bulk).
 constexpr int kDecodeBulkHeadDim = 128;
 
-// sm_90 shared memory per SM and the part the hardware reserves per resident block (the occupancy
-// arithmetic of decode_bulk.cuh and chunk_prepare.cuh).
+// sm_90 and sm_80 (A100) shared memory per SM and the part the hardware reserves per resident
+// block (the occupancy arithmetic of decode_bulk.cuh and chunk_prepare.cuh).
 constexpr int kSm90SmemPerSm = 228 * 1024;
+constexpr int kSm80SmemPerSm = 164 * 1024;
 constexpr int kSmemReservedPerBlock = 1024;
 
 // Decode step for fp32 V-first states (decode_stream.cuh), any sm_80+ device. Sets `launched` to

@@ -42,10 +42,17 @@ constexpr int kPrepareThreads = 256;
 constexpr float kMaxSubchunkLogSpan = 80.5f;
 // Operand type of the A / M products (see above).
 using OpElem = __nv_bfloat16;
-// Three blocks of 8 warps per SM (at most 80 registers and 75 KB of shared memory each): the kernel
-// is bound by latency, and measured on the H200 (T = 8192, H = 96) one block per SM took 1.130 ms,
-// two 0.785 and three 0.750 (bench/harness/prepare_harness.cu; BENCHMARK_H200.md).
+// Three blocks of 8 warps per SM on sm_90 (at most 80 registers and 75 KB of shared memory each):
+// the kernel is bound by latency, and measured on the H200 (T = 8192, H = 96) one block per SM took
+// 1.130 ms, two 0.785 and three 0.750 (bench/harness/prepare_harness.cu; BENCHMARK_H200.md). An
+// A100 SM holds two, so the sm_80 image takes the registers of two (no spills).
 constexpr int kPrepareBlocksPerSm = 3;
+constexpr int kPrepareBlocksPerSmSm80 = 2;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FLASHKDA_PREPARE_MIN_BLOCKS kPrepareBlocksPerSmSm80
+#else
+#define FLASHKDA_PREPARE_MIN_BLOCKS kPrepareBlocksPerSm
+#endif
 
 constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
@@ -67,6 +74,8 @@ struct PrepareSmem {
 };
 static_assert(kPrepareBlocksPerSm * (sizeof(PrepareSmem) + kSmemReservedPerBlock) <= kSm90SmemPerSm,
               "three blocks per SM");
+static_assert(kPrepareBlocksPerSmSm80 * (sizeof(PrepareSmem) + kSmemReservedPerBlock) <= kSm80SmemPerSm,
+              "two blocks per A100 SM");
 static_assert(kSubChunks == 4, "the phase-2 job list and the inverse assume four sub-chunks");
 // Aliases after the A / M products (see phase 2): amat in ki, linv in qi, then tinv_s in ki, the
 // inverse's scratch in the sub-chunk tables, w_s in kj.
@@ -217,56 +226,56 @@ __device__ __forceinline__ void store_block(const View& dst, const float (&acc)[
     for (int e = 0; e < 4; ++e) dst.at(g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1)) = sign * acc[nt][e];
 }
 
-// Phase 2 work list: the ten blocks (a, b), b <= a, of A and of M. A is on the critical path (the
-// inverse waits for it): warps 0-4 run two blocks each. M is only stored, so warps 5-7 run three or
-// four blocks each, two during A's products and the rest while A goes to shared memory (then the M
-// rows' tile holds L). One byte per job, (a << 4) | b, 0xff for none.
-constexpr int kAWarps = 5, kMWarps = kPrepareThreads / 32 - kAWarps;
-constexpr int kAJobs = 2;
-__device__ __forceinline__ void block_job(int warp, int slot, int& a, int& b) {
-  static_assert(kPrepareThreads / 32 == 8, "eight warps");
-  const uint32_t jobs = warp == 0 ? 0xffff0030u : warp == 1 ? 0xffff1131u : warp == 2 ? 0xffff2232u
-                      : warp == 3 ? 0xffff1033u : warp == 4 ? 0xffff2120u  // A
-                      : warp == 5 ? 0x11003130u : warp == 6 ? 0xff103332u : 0xff222120u;  // M
-  const uint32_t job = (jobs >> (8 * slot)) & 0xffu;
-  a = job == 0xffu ? -1 : int(job >> 4);
-  b = int(job & 0xfu);
+// Phase 2 work: the ten blocks (a, b), b <= a, of A and of M. A and M share their column operand
+// k e^{h−γ} and, off the diagonal, its per-channel factor: one warp runs both products of a block
+// position, scaling the column fragments once. Warps 0-5 take the six off-diagonal positions
+// (warp = pair_index(a, b)), warps 6 and 7 two diagonal positions each (unscaled).
+constexpr int kDiagonalWarpsFirst = kPairs;
+static_assert(kPairs + kSubChunks / 2 == kPrepareThreads / 32, "six pair warps and two diagonal warps");
+__device__ __forceinline__ void pair_of_warp(int warp, int& a, int& b) {
+  a = warp < 1 ? 1 : warp < 3 ? 2 : 3;
+  b = warp - pair_index(a, 0);
 }
 
-
-// acc (16x16 block (a, b)) += rows[a] · diag(f) · kjᵀ[b] over the head dim; rows and kj OpElem
-// (MatTile). kScaled false: f is 1 (a narrow diagonal block) and is not read.
+// acc_a += ki[a] · (diag(f) kj[b])ᵀ and acc_m += qi[a] · (diag(f) kj[b])ᵀ (16x16 blocks) over the
+// head dim; ki, qi and kj OpElem MatTiles. kScaled false: f is 1 (a narrow diagonal block) and is
+// not read.
 template <bool kScaled>
-__device__ __forceinline__ void row_block_product(float (&acc)[2][4], uint32_t rows_base, const float* f,
-                                                  uint32_t kj_base, int a, int b) {
+__device__ __forceinline__ void pair_block_product(float (&acc_a)[2][4], float (&acc_m)[2][4], uint32_t ki_base,
+                                                   uint32_t qi_base, const float* f, uint32_t kj_base, int a, int b) {
   const int lane = threadIdx.x & 31, t4 = lane & 3;
 #pragma unroll
   for (int kd = 0; kd < kHeadDim / 16; ++kd) {
-    uint32_t af[4];  // rows g, g + 8 at keys 16 kd + 2 t, + 1, then at 16 kd + 8 + 2 t, + 1
-    sm80::ldmatrix_x4(af, rows_base + MatTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                            2 * kd + (lane >> 4)));
+    // Column fragments: tokens g (n-tile 0) and g + 8 (n-tile 1) at keys 16 kd + 2 t, + 1 (regs 0, 2)
+    // and 16 kd + 8 + 2 t, + 1 (regs 1, 3).
+    uint32_t bf[4];
+    sm80::ldmatrix_x4(bf, kj_base + MatTile::chunk_offset(b * kSubChunk + (lane & 7) + (lane >> 4) * 8,
+                                                          2 * kd + ((lane >> 3) & 1)));
     if constexpr (kScaled) {
       const int dd = 16 * kd + 2 * t4;
       const float2 f01 = *reinterpret_cast<const float2*>(&f[dd]);
       const float2 f23 = *reinterpret_cast<const float2*>(&f[dd + 8]);
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const float2 fw = w < 2 ? f01 : f23;
+        const float2 fw = (w & 1) ? f23 : f01;
         float lo, hi;
-        sm80::unpack2_bf16(af[w], lo, hi);
-        af[w] = sm80::pack2<OpElem>(lo * fw.x, hi * fw.y);
+        sm80::unpack2_bf16(bf[w], lo, hi);
+        bf[w] = sm80::pack2<OpElem>(lo * fw.x, hi * fw.y);
       }
     }
-    uint32_t bf[4];
-    sm80::ldmatrix_x4(bf, kj_base + MatTile::chunk_offset(b * kSubChunk + (lane & 7) + (lane >> 4) * 8,
-                                                          2 * kd + ((lane >> 3) & 1)));
-    sm80::mma_16816<OpElem>(acc[0], af, bf[0], bf[1]);
-    sm80::mma_16816<OpElem>(acc[1], af, bf[2], bf[3]);
+    const uint32_t row = MatTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * kd + (lane >> 4));
+    uint32_t ak[4], aq[4];  // rows g, g + 8 at keys 16 kd + 2 t, + 1, then at 16 kd + 8 + 2 t, + 1
+    sm80::ldmatrix_x4(ak, ki_base + row);
+    sm80::ldmatrix_x4(aq, qi_base + row);
+    sm80::mma_16816<OpElem>(acc_a[0], ak, bf[0], bf[1]);
+    sm80::mma_16816<OpElem>(acc_a[1], ak, bf[2], bf[3]);
+    sm80::mma_16816<OpElem>(acc_m[0], aq, bf[0], bf[1]);
+    sm80::mma_16816<OpElem>(acc_m[1], aq, bf[2], bf[3]);
   }
 }
 
 template <typename Elem>
-__global__ void __launch_bounds__(kPrepareThreads, kPrepareBlocksPerSm) chunk_prepare_kernel(const ChunkParams p) {
+__global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) chunk_prepare_kernel(const ChunkParams p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);
   const int slot = blockIdx.x, hv = blockIdx.y;
@@ -450,8 +459,8 @@ __global__ void __launch_bounds__(kPrepareThreads, kPrepareBlocksPerSm) chunk_pr
   __syncthreads();
   // This slice's offsets within its sub-chunk: γ before its first token (off) and after its last
   // (later), from the other slice of the warp and the other warp of the sub-chunk.
-  float off[8], later[8];
   {
+    float off[8], later[8];
     float v0[8], v1[8];  // the two halves of this sub-chunk
     load_floats(&pair[(2 * sub) * kHeadDim + d0], v0);
     load_floats(&pair[(2 * sub + 1) * kHeadDim + d0], v1);
@@ -459,6 +468,15 @@ __global__ void __launch_bounds__(kPrepareThreads, kPrepareBlocksPerSm) chunk_pr
     for (int e = 0; e < 8; ++e) {
       off[e] = (second_slice ? other[e] : 0.f) + (second_half ? v0[e] : 0.f);
       later[e] = (second_slice ? 0.f : other[e]) + (second_half ? 0.f : v1[e]);
+    }
+    // Kept until the element loop in this thread's own chunks of qi (its raw gate has been read;
+    // the element loop overwrites them only after reading these back): fewer live registers
+    // across the per-channel pass.
+#pragma unroll
+    for (int i = 0; i < kSliceTokens; ++i) {
+      const float* src = i < 2 ? off : later;
+      *reinterpret_cast<float4*>(s.qi + MatTile::chunk_offset(kSliceTokens * ts + i, cg)) =
+          make_float4(src[4 * (i & 1)], src[4 * (i & 1) + 1], src[4 * (i & 1) + 2], src[4 * (i & 1) + 3]);
     }
   }
   // Per channel, once (two threads per channel, `part` splitting the exponentials): sub-chunk
@@ -513,6 +531,13 @@ __global__ void __launch_bounds__(kPrepareThreads, kPrepareBlocksPerSm) chunk_pr
   {
     // This sub-chunk's pivot (τ/2 for a narrow channel, 0 for a wide one) and rescaling factors,
     // read per channel pair and token (few live registers), and the outputs packed per pair.
+    float off[8], later[8];
+#pragma unroll
+    for (int i = 0; i < kSliceTokens; ++i) {
+      float* dst = i < 2 ? off : later;
+      const float4 x = *reinterpret_cast<const float4*>(s.qi + MatTile::chunk_offset(kSliceTokens * ts + i, cg));
+      dst[4 * (i & 1)] = x.x, dst[4 * (i & 1) + 1] = x.y, dst[4 * (i & 1) + 2] = x.z, dst[4 * (i & 1) + 3] = x.w;
+    }
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
       const int t = kSliceTokens * ts + i;
@@ -567,13 +592,13 @@ __global__ void __launch_bounds__(kPrepareThreads, kPrepareBlocksPerSm) chunk_pr
   __syncthreads();
 
   // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
-  // Two warp groups: A (warps 0-4) goes on to the inverse; M (warps 5-7) writes its blocks straight
-  // to the record, two stages of the A group's work. Shared memory from here on:
-  //   ki (A rows, read by the A group only): amat (sq_f32_index), then tinv_s (SqTile) after the
-  //     off-diagonal inverse
-  //   qi (M rows, read by the M group only): linv (sq_f32_index), once every M block is done
+  // Stage 1: every warp runs its block positions (pair_of_warp / the diagonal warps), M's blocks go
+  // straight to the record and A's stay in registers; stage 2 stores A (after the barrier, over the
+  // dead row tiles). Shared memory from here on:
+  //   ki (A rows): amat (sq_f32_index), then tinv_s (SqTile) after the off-diagonal inverse
+  //   qi (M rows): linv (sq_f32_index)
   //   sub_table (dead): scratch of the off-diagonal inverse
-  //   kj (column operand of both groups): w_s (MatTile), once every M block is done
+  //   kj (column operand): w_s (MatTile)
   float* amat = reinterpret_cast<float*>(s.ki);
   float* linv = reinterpret_cast<float*>(s.qi);
   uint8_t* tinv_s = s.ki;
@@ -581,69 +606,54 @@ __global__ void __launch_bounds__(kPrepareThreads, kPrepareBlocksPerSm) chunk_pr
   uint8_t* w_s = s.kj;
   uint8_t* mqk_rec = rec + WorkspaceLayout::kMqk;
   const uint32_t kj_base = sm80::smem_u32(s.kj), qi_base = sm80::smem_u32(s.qi), ki_base = sm80::smem_u32(s.ki);
-  // The M group's blocks, one job slot at a time, run in the A group's stages below; every stage
-  // ends at a CTA barrier (M needs none of them, A's inverse needs all of them).
-  auto m_job = [&](int slot) {
+  // M's zero blocks above the diagonal.
+  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
+    const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
+    if (ch * 8 / kSubChunk > i / kSubChunk) *reinterpret_cast<uint4*>(mqk_rec + SqTile::chunk_offset(i, ch)) = uint4{};
+  }
+  const bool pair_warp = warp < kDiagonalWarpsFirst;
+  const int positions = pair_warp ? 1 : 2;
+  float acc[2][2][4];  // A's block of each position
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
+    if (j >= positions) continue;
     int a, b;
-    block_job(warp, slot, a, b);
-    if (a < 0 || (b == a && (wide_mask >> a & 1))) return;  // none, or exact_diagonal_block's
-    float acc[2][4] = {};
-    if (b == a) row_block_product<false>(acc, qi_base, nullptr, kj_base, a, b);
-    else row_block_product<true>(acc, qi_base, s.fac[pair_index(a, b)], kj_base, a, b);
+    if (pair_warp) pair_of_warp(warp, a, b);
+    else a = b = 2 * (warp - kDiagonalWarpsFirst) + j;
+    if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes both blocks
+    float acc_m[2][4] = {};
+    if (b == a) pair_block_product<false>(acc[j], acc_m, ki_base, qi_base, nullptr, kj_base, a, b);
+    else pair_block_product<true>(acc[j], acc_m, ki_base, qi_base, s.fac[pair_index(a, b)], kj_base, a, b);
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
         *reinterpret_cast<uint32_t*>(mqk_rec + SqTile::offset(i, jc)) =
-            sm80::pack2<Elem>(jc <= i ? acc[n][2 * hh] : 0.f, jc + 1 <= i ? acc[n][2 * hh + 1] : 0.f);
+            sm80::pack2<Elem>(jc <= i ? acc_m[n][2 * hh] : 0.f, jc + 1 <= i ? acc_m[n][2 * hh + 1] : 0.f);
       }
-  };
-  const bool a_group = warp < kAWarps;
-  // Stage 1: A's blocks into registers; M: zeros above the diagonal, two blocks.
-  float acc[kAJobs][2][4];
-  if (a_group) {
-#pragma unroll
-    for (int j = 0; j < kAJobs; ++j) {
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
-      int a, b;
-      block_job(warp, j, a, b);
-      if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes it
-      if (b == a) row_block_product<false>(acc[j], ki_base, nullptr, kj_base, a, b);
-      else row_block_product<true>(acc[j], ki_base, s.fac[pair_index(a, b)], kj_base, a, b);
-    }
-  } else {
-    for (int e = tid - 32 * kAWarps; e < kChunk * (kChunk / 8); e += 32 * kMWarps) {
-      const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
-      if (ch * 8 / kSubChunk > i / kSubChunk)
-        *reinterpret_cast<uint4*>(mqk_rec + SqTile::chunk_offset(i, ch)) = uint4{};
-    }
-    m_job(0);
-    m_job(1);
   }
-  __syncthreads();  // the A rows (ki) are dead
-  // Stage 2: A's blocks to amat (in ki); M: its third and fourth blocks (then qi is free for linv).
-  if (a_group) {
+  __syncthreads();  // the row tiles are dead
+  // Stage 2: A's blocks to amat (in ki), strictly lower triangle, times β of the row.
 #pragma unroll
-    for (int j = 0; j < kAJobs; ++j) {
-      int a, b;
-      block_job(warp, j, a, b);
+  for (int j = 0; j < 2; ++j) {
+    if (j >= positions) continue;
+    int a, b;
+    if (pair_warp) pair_of_warp(warp, a, b);
+    else a = b = 2 * (warp - kDiagonalWarpsFirst) + j;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+    for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
-          const float bi = s.beta[i];
-          *reinterpret_cast<float2*>(&amat[sq_f32_index(i, jc)]) =
-              make_float2(jc < i ? acc[j][n][2 * hh] * bi : 0.f, jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f);
-        }
-    }
-  } else {
-    m_job(2);
-    m_job(3);
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
+        const float bi = s.beta[i];
+        *reinterpret_cast<float2*>(&amat[sq_f32_index(i, jc)]) =
+            make_float2(jc < i ? acc[j][n][2 * hh] * bi : 0.f, jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f);
+      }
   }
   __syncthreads();
   if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
