@@ -664,15 +664,21 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
   if (warp < kSubChunks) {
     if (lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
-      const int a = warp, j = lane, base = a * kSubChunk;
+      // sq_f32_index(16 a + i, 16 a + l) = (16 a + i) 64 + 16 (a ^ (m >> 4)) + (l ^ (m & 15)) with
+      // m = 4 (i & 7): from one of two bases per block, at offsets that are constants once i and l
+      // are unrolled.
+      static_assert(kSubChunk == 16 && kChunk == 64, "the folded sq_f32_index below");
+      const int a = warp, j = lane;
+      const int at[2] = {a * kSubChunk * kChunk + kSubChunk * a, a * kSubChunk * kChunk + kSubChunk * (a ^ 1)};
       float x[kSubChunk];
 #pragma unroll
       for (int i = 0; i < kSubChunk; ++i) {
+        const int m = (i & 7) << 2;
         float accv = i == j ? 1.f : 0.f;
 #pragma unroll
-        for (int l = 0; l < i; ++l) accv -= amat[sq_f32_index(base + i, base + l)] * x[l];
+        for (int l = 0; l < i; ++l) accv -= amat[at[m >> 4] + i * kChunk + (l ^ (m & 15))] * x[l];
         x[i] = accv;
-        linv[sq_f32_index(base + i, base + j)] = accv;
+        linv[at[m >> 4] + i * kChunk + (j ^ (m & 15))] = accv;
       }
     }
   }
@@ -726,7 +732,9 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       for (int n = 0; n < 4; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) accw[n][e] = 0.f;
-      for (int kc = 0; kc <= a; ++kc) {
+#pragma unroll
+      for (int kc = 0; kc < kSubChunks; ++kc) {  // kc <= a (unrolled: the tile offsets fold into constants)
+        if (kc > a) break;
         uint32_t af[4];
         sm80::ldmatrix_x4(af, t_base + SqTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                             2 * kc + (lane >> 4)));
