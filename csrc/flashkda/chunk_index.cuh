@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
   __shared__ int carry;
   __shared__ int key_start[kOrderKeys];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  allow_next_grid();  // chunk_prepare may launch; it waits for this grid before reading the index
   if (tid == 0) {
     carry = 0;
     p.chunk_offsets[0] = 0;
@@ -92,12 +93,22 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
   __syncthreads();
   for (int n = tid; n < p.N; n += kIndexThreads) atomicAdd(&key_start[order_key(p.chunk_offsets[n + 1] - p.chunk_offsets[n])], 1);
   __syncthreads();
-  if (tid == 0) {
-    int start = 0;
-    for (int b = kOrderKeys - 1; b >= 0; --b) {
-      const int count = key_start[b];
-      key_start[b] = start;
-      start += count;
+  if (warp == 0) {  // key b starts after the sequences of every key above it: a suffix scan, 4 keys per lane
+    static_assert(kOrderKeys == 4 * 32, "four keys per lane");
+    int count[4], sum = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sum += count[e] = key_start[4 * lane + e];
+    int above = sum;  // inclusive: lanes lane .. 31
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int y = __shfl_down_sync(0xffffffffu, above, off);
+      if (lane + off < 32) above += y;
+    }
+    int start = above - sum;
+#pragma unroll
+    for (int e = 3; e >= 0; --e) {
+      key_start[4 * lane + e] = start;
+      start += count[e];
     }
   }
   __syncthreads();

@@ -278,6 +278,8 @@ template <typename Elem>
 __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) chunk_prepare_kernel(const ChunkParams p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);
+  wait_prior_grid();  // the previous kernel's writes: chunk_index's slot table, the inputs (launch_overlapped)
+  allow_next_grid();  // chunk_recurrence may launch: it waits for this grid before reading the records
   const int slot = blockIdx.x, hv = blockIdx.y;
   ChunkSpan c;
   if (!locate_chunk(p, slot, c)) return;
@@ -771,7 +773,9 @@ cudaError_t launch_prepare(const ChunkParams& p, cudaStream_t stream) {
   auto kernel = chunk_prepare_kernel<Elem>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
-  kernel<<<dim3(p.num_chunk_slots, p.HV), kPrepareThreads, kSmem, stream>>>(p);
+  static const bool sm90 = has_sm90_image(kernel);
+  err = launch_overlapped(sm90, kernel, dim3(p.num_chunk_slots, p.HV), dim3(kPrepareThreads), kSmem, stream, p);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 

@@ -133,6 +133,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     constexpr int kKeyTiles = kHeadDim / 8;  // n-tiles of the state per warp
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+    wait_prior_grid();  // chunk_prepare's records (launch_overlapped)
     __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
 #ifdef FLASHKDA_BULK_COPY
     if constexpr (kVariant != kCpAsyncMma) {
@@ -395,17 +396,6 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
   }
 }
 
-// Whether this device runs the sm_90 image of kernel (an sm_80-only build on an H100 does not).
-template <typename Kernel>
-bool has_sm90_image(Kernel kernel) {
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.binaryVersion >= 90;
-}
-
 template <typename Elem, int kBlockV, int kVariant>
 cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream) {
   using Shape = RecurrenceShape<kBlockV>;
@@ -415,7 +405,13 @@ cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream)
   // kSegmentLocal runs the transition's rows as a second set of value blocks.
   const int blocks_v = (kHeadDim / kBlockV) * (p.recurrence_pass == RecurrencePass::kSegmentLocal ? 2 : 1);
   const int64_t blocks_n = int64_t(p.N) * (p.recurrence_pass == RecurrencePass::kWhole ? 1 : p.segments_per_seq);
-  kernel<<<dim3(blocks_v, p.HV, uint32_t(blocks_n)), Shape::kThreads, Shape::kSmemBytes, stream>>>(p);
+  // The passes that follow chunk_prepare start while it finishes (see wait_prior_grid); the output
+  // pass follows chunk_segment_scan, whose start states it reads, and is launched plainly.
+  static const bool sm90 = has_sm90_image(kernel);
+  const bool overlapped = sm90 && p.recurrence_pass != RecurrencePass::kSegmentOutput;
+  err = launch_overlapped(overlapped, kernel, dim3(blocks_v, p.HV, uint32_t(blocks_n)), dim3(Shape::kThreads),
+                          Shape::kSmemBytes, stream, p);
+  if (err != cudaSuccess) return err;
   return cudaGetLastError();
 }
 
