@@ -84,7 +84,8 @@ static_assert(kChunk * kChunk * 4 <= int(sizeof(PrepareSmem::ki)), "an fp32 [kCh
 
 // fp32 [kChunk][kChunk] matrices in shared memory (A, then L = (I + A)⁻¹): element (i, j) at
 // i kChunk + (j ^ 4 (i & 7)), so that fragment accesses of 8 rows spread over the banks without
-// padding. SqF32 views the 16 x 16 block at (r0, c0).
+// padding. SqF32 views the 16 x 16 block at (r0, c0). The diagonal inverse (phase 3) folds this
+// formula into constant offsets for its blocks.
 __device__ __forceinline__ int sq_f32_index(int i, int j) { return i * kChunk + (j ^ ((i & 7) << 2)); }
 struct SqF32 {
   float* m;
