@@ -69,7 +69,9 @@ struct PrepareSmem {
   // Per sub-chunk and channel (SubTable): row pivot h (τ/2, or 0 when wide), e^{before + h},
   // e^{after + h} (before / after: log decay of the sub-chunks before / after it).
   float sub_table[3][kSubChunks][kHeadDim];
-  float qscale[kChunk], kscale[kChunk], beta[kChunk];
+  alignas(16) float qscale[kChunk];  // l2 norm scale of q (times the attention scale), 0 past the end
+  alignas(16) float kscale[kChunk];  // l2 norm scale of k, 0 past the end
+  float beta[kChunk];
   int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
 static_assert(kPrepareBlocksPerSm * (sizeof(PrepareSmem) + kSmemReservedPerBlock) <= kSm90SmemPerSm,
@@ -350,38 +352,37 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
                          : 0.f;
   }
   sm80::cp_async_wait<0>();
+  __syncwarp();  // the warp's eight tokens (both slices) are in kj / kt
 
-  // ---- Phase 1: l2 norms, gate, decays and the decayed operands -------------------------------
-  // l2 norms of the slice's tokens: this thread's 8 channels, then the 15 other lanes of its half
-  // warp (same ts, the other channel groups).
-  float qs[kSliceTokens], ks[kSliceTokens];
-#pragma unroll
-  for (int i = 0; i < kSliceTokens; ++i) {
-    const int t = kSliceTokens * ts + i;
-    float sq = 0.f, sk = 0.f;
+  // l2 norms and scales of the warp's eight tokens on the tensor cores: the 16 x 16 Gram matrix of
+  // their q rows (0-7) and k rows (8-15) has the squared norms on its diagonal (16-bit products are
+  // exact in the fp32 accumulators). Read after the barriers below (the element loop, the exact
+  // diagonal blocks).
+  {
+    const int t8 = kSliceTokens * 2 * warp;  // the warp's first token
+    float acc[2][4] = {};
     if (p.l2norm) {
-      const uint32_t moff = MatTile::chunk_offset(t, cg);
-      const uint4 rq = *reinterpret_cast<const uint4*>(s.kj + moff);
-      const uint4 rk = *reinterpret_cast<const uint4*>(s.kt + moff);
-      const Elem* xq = reinterpret_cast<const Elem*>(&rq);
-      const Elem* xk = reinterpret_cast<const Elem*>(&rk);
+      const uint32_t kj_rows = sm80::smem_u32(s.kj), kt_rows = sm80::smem_u32(s.kt);
+      const uint32_t a_rows = ((lane >> 3) & 1) ? kt_rows : kj_rows, b_rows = (lane >> 4) ? kt_rows : kj_rows;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float x = to_float(xq[e]), y = to_float(xk[e]);
-        sq += x * x;
-        sk += y * y;
-      }
-#pragma unroll
-      for (int m = 1; m < kGroups; m <<= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, m);
-        sk += __shfl_xor_sync(0xffffffffu, sk, m);
+      for (int kd = 0; kd < kHeadDim / 16; ++kd) {
+        uint32_t af[4], bf[4];
+        sm80::ldmatrix_x4(af, a_rows + MatTile::chunk_offset(t8 + (lane & 7), 2 * kd + (lane >> 4)));
+        sm80::ldmatrix_x4(bf, b_rows + MatTile::chunk_offset(t8 + (lane & 7), 2 * kd + ((lane >> 3) & 1)));
+        sm80::mma_16816<Elem>(acc[0], af, bf[0], bf[1]);
+        sm80::mma_16816<Elem>(acc[1], af, bf[2], bf[3]);
       }
     }
-    const bool valid = t < c.len;
-    qs[i] = !valid ? 0.f : (p.l2norm ? rsqrtf(sq + kL2NormEps) * p.scale : p.scale);
-    ks[i] = !valid ? 0.f : (p.l2norm ? rsqrtf(sk + kL2NormEps) : 1.f);
-    if (cg == 0) s.qscale[t] = qs[i], s.kscale[t] = ks[i];  // for the exact diagonal blocks
+    if (t4 == (g8 >> 1)) {  // this lane holds the diagonal entries of rows g8 (q) and g8 + 8 (k)
+      const int t = t8 + g8;
+      const float rq = p.l2norm ? rsqrtf(acc[0][g8 & 1] + kL2NormEps) : 1.f;
+      const float rk = p.l2norm ? rsqrtf(acc[1][2 + (g8 & 1)] + kL2NormEps) : 1.f;
+      s.qscale[t] = t < c.len ? rq * p.scale : 0.f;
+      s.kscale[t] = t < c.len ? rk : 0.f;
+    }
   }
+
+  // ---- Phase 1: l2 norms, gate, decays and the decayed operands -------------------------------
   // Log decays of the slice. Every exponent below is a direct sum of them (prefixes and suffixes),
   // never a difference of long cumulative sums: with −1e4 masks those lose the small terms. The gate
   // dtype and mode are uniform per launch: one branch each, outside the element loops.
@@ -541,6 +542,14 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       const float4 x = *reinterpret_cast<const float4*>(s.qi + MatTile::chunk_offset(kSliceTokens * ts + i, cg));
       dst[4 * (i & 1)] = x.x, dst[4 * (i & 1) + 1] = x.y, dst[4 * (i & 1) + 2] = x.z, dst[4 * (i & 1) + 3] = x.w;
     }
+    {  // the pivot, taken out of both offsets once: pre − h and suf − h below
+      float h[8];
+      load_floats(&s.sub_table[kRowPivot][sub][d0], h);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) off[e] -= h[e], later[e] -= h[e];
+    }
+    const float4 qs = *reinterpret_cast<const float4*>(&s.qscale[kSliceTokens * ts]);
+    const float4 ks = *reinterpret_cast<const float4*>(&s.kscale[kSliceTokens * ts]);
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
       const int t = kSliceTokens * ts + i;
@@ -553,23 +562,23 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
 #pragma unroll
       for (int e2 = 0; e2 < 4; ++e2) {
         const int dd = d0 + 2 * e2;
-        const float2 h2 = *reinterpret_cast<const float2*>(&s.sub_table[kRowPivot][sub][dd]);
         const float2 up2 = *reinterpret_cast<const float2*>(&s.sub_table[kToStart][sub][dd]);
         const float2 to2 = *reinterpret_cast<const float2*>(&s.sub_table[kToEnd][sub][dd]);
         float vqi[2], vki[2], vkj[2], vkt[2], vqd[2], vkd[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int e = 2 * e2 + u;
-          float pre = off[e], suf = later[e];  // γ (inclusive prefix) and τ − γ (suffix)
+          float pre = off[e], suf = later[e];  // γ − h (inclusive prefix) and τ − γ − h (suffix)
 #pragma unroll
           for (int i2 = 0; i2 < kSliceTokens; ++i2) {
             if (i2 <= i) pre += gl[i2][e];
             else suf += gl[i2][e];
           }
-          const float hh = u ? h2.y : h2.x;
-          const float qh = to_float(xq[e]) * qs[i], kh = to_float(xk[e]) * ks[i];
-          const float x = exp2_ftz(pre - hh);  // e^{γ − h}
-          const float y = exp2_ftz(suf - hh);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
+          const float qsi = i == 0 ? qs.x : i == 1 ? qs.y : i == 2 ? qs.z : qs.w;
+          const float ksi = i == 0 ? ks.x : i == 1 ? ks.y : i == 2 ? ks.z : ks.w;
+          const float qh = to_float(xq[e]) * qsi, kh = to_float(xk[e]) * ksi;
+          const float x = exp2_ftz(pre);  // e^{γ − h}
+          const float y = exp2_ftz(suf);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
           vqi[u] = qh * x;
           vki[u] = kh * x;
           vkj[u] = kh * y;
