@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     }
   }
 
-  // ---- Phase 1: l2 norms, gate, decays and the decayed operands -------------------------------
+  // ---- Phase 1: gate, decays and the decayed operands ----------------------------------------
   // Log decays of the slice. Every exponent below is a direct sum of them (prefixes and suffixes),
   // never a difference of long cumulative sums: with −1e4 masks those lose the small terms. The gate
   // dtype and mode are uniform per launch: one branch each, outside the element loops.
