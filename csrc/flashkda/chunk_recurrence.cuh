@@ -405,8 +405,9 @@ cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream)
   // kSegmentLocal runs the transition's rows as a second set of value blocks.
   const int blocks_v = (kHeadDim / kBlockV) * (p.recurrence_pass == RecurrencePass::kSegmentLocal ? 2 : 1);
   const int64_t blocks_n = int64_t(p.N) * (p.recurrence_pass == RecurrencePass::kWhole ? 1 : p.segments_per_seq);
-  // The passes that follow chunk_prepare start while it finishes (see wait_prior_grid); the output
-  // pass follows chunk_segment_scan, whose start states it reads, and is launched plainly.
+  // The passes that follow chunk_prepare are set up while it finishes (see wait_prior_grid); the
+  // output pass follows chunk_segment_scan, which does not let the next grid start early, and is
+  // launched plainly.
   static const bool sm90 = has_sm90_image(kernel);
   const bool overlapped = sm90 && p.recurrence_pass != RecurrencePass::kSegmentOutput;
   err = launch_overlapped(overlapped, kernel, dim3(blocks_v, p.HV, uint32_t(blocks_n)), dim3(Shape::kThreads),
