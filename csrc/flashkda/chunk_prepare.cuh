@@ -235,9 +235,14 @@ __device__ __forceinline__ void store_block(const View& dst, const float (&acc)[
 // (warp = pair_index(a, b)), warps 6 and 7 two diagonal positions each (unscaled).
 constexpr int kDiagonalWarpsFirst = kPairs;
 static_assert(kPairs + kSubChunks / 2 == kPrepareThreads / 32, "six pair warps and two diagonal warps");
-__device__ __forceinline__ void pair_of_warp(int warp, int& a, int& b) {
-  a = warp < 1 ? 1 : warp < 3 ? 2 : 3;
-  b = warp - pair_index(a, 0);
+// Block position j (0, or 1 for the diagonal warps) of a warp.
+__device__ __forceinline__ void block_position(int warp, int j, int& a, int& b) {
+  if (warp < kDiagonalWarpsFirst) {
+    a = warp < 1 ? 1 : warp < 3 ? 2 : 3;
+    b = warp - pair_index(a, 0);
+  } else {
+    a = b = 2 * (warp - kDiagonalWarpsFirst) + j;
+  }
 }
 
 // acc_a += ki[a] · (diag(f) kj[b])ᵀ and acc_m += qi[a] · (diag(f) kj[b])ᵀ (16x16 blocks) over the
@@ -604,7 +609,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   __syncthreads();
 
   // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
-  // Stage 1: every warp runs its block positions (pair_of_warp / the diagonal warps), M's blocks go
+  // Stage 1: every warp runs its block positions (block_position), M's blocks go
   // straight to the record and A's stay in registers; stage 2 stores A (after the barrier, over the
   // dead row tiles). Shared memory from here on:
   //   ki (A rows): amat (sq_f32_index), then tinv_s (SqTile) after the off-diagonal inverse
@@ -634,8 +639,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
     if (j >= positions) continue;
     int a, b;
-    if (pair_warp) pair_of_warp(warp, a, b);
-    else a = b = 2 * (warp - kDiagonalWarpsFirst) + j;
+    block_position(warp, j, a, b);
     if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes both blocks
     float acc_m[2][4] = {};
     if (b == a) pair_block_product<false>(acc[j], acc_m, ki_base, qi_base, nullptr, kj_base, a, b);
@@ -655,8 +659,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   for (int j = 0; j < 2; ++j) {
     if (j >= positions) continue;
     int a, b;
-    if (pair_warp) pair_of_warp(warp, a, b);
-    else a = b = 2 * (warp - kDiagonalWarpsFirst) + j;
+    block_position(warp, j, a, b);
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
