@@ -739,6 +739,12 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     const int quarter = warp % 4, pairing = warp / 4;
     const uint32_t t_base = sm80::smem_u32(tinv_s), kt_base = sm80::smem_u32(s.kt);
     static_assert(kSubChunks == 4 && kPrepareThreads == 256, "phase 4 splits four row blocks over eight warps");
+    // MatTile::offset(16 a + g8 + 8 hh, 32 quarter + 8 n + 2 t4), taken apart: the panel and the
+    // lane's row and column once, the swizzled chunk (4 (quarter & 1) + n) ^ g8 per n, and the row
+    // block and hh as constants.
+    static_assert(MatTile::kPanelBytes == kChunk * 128 && kHeadDim == 128, "the w store offsets below");
+    const int w_lane = (quarter >> 1) * MatTile::kPanelBytes + g8 * 128 + 4 * t4;
+    const int w_swz = (4 * (quarter & 1)) ^ g8;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int a = r == 0 ? kSubChunks - 1 - pairing : pairing;
@@ -766,8 +772,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       for (int n = 0; n < 4; ++n)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const int row = a * kSubChunk + g8 + 8 * hh, col = 32 * quarter + 8 * n + 2 * t4;
-          *reinterpret_cast<uint32_t*>(w_s + MatTile::offset(row, col)) =
+          *reinterpret_cast<uint32_t*>(w_s + w_lane + (a * kSubChunk + 8 * hh) * 128 + ((w_swz ^ n) << 4)) =
               sm80::pack2<Elem>(accw[n][2 * hh], accw[n][2 * hh + 1]);
         }
     }
