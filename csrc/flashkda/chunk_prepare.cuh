@@ -200,7 +200,7 @@ __device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const XVi
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       if constexpr (kInverseSplitTf32) sm80::split_tf32(xa[r], ahi[r], alo[r]);
-      else ahi[r] = sm80::to_tf32(xa[r]);
+      else ahi[r] = sm80::to_tf32_fast(xa[r]);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -213,7 +213,7 @@ __device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const XVi
         sm80::mma_1688_tf32(acc[nt], ahi, blo0, blo1);
         sm80::mma_1688_tf32(acc[nt], ahi, bhi0, bhi1);
       } else {
-        sm80::mma_1688_tf32(acc[nt], ahi, sm80::to_tf32(y0), sm80::to_tf32(y1));
+        sm80::mma_1688_tf32(acc[nt], ahi, sm80::to_tf32_fast(y0), sm80::to_tf32_fast(y1));
       }
     }
   }

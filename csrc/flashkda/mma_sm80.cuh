@@ -53,6 +53,10 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
+// x rounded to tf32 as cvt.rna does (to nearest, ties away from zero) for finite x, in one integer
+// add: half of tf32's last place goes into the low 13 bits, which the tf32 MMAs ignore.
+__device__ __forceinline__ uint32_t to_tf32_fast(float x) { return __float_as_uint(x) + 0x1000u; }
+
 // x = hi + lo (to about 2^-22 relative) with both parts tf32: the three products hi·hi, hi·lo and
 // lo·hi of two split operands give an fp32-accurate product on the tf32 tensor cores ("3xTF32").
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
