@@ -323,12 +323,29 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       // Output: through this warp's own columns of the v tile, then 16-byte stores.
       if (writes_output) {
         __syncwarp();  // every lane's ldmatrix reads of these columns are done
+#ifdef FLASHKDA_WGMMA
+        if constexpr (kWgmma) {
+          // Transposed by stmatrix: per instruction, token n-tiles 2 k and 2 k + 1 of the warp's two
+          // 8-row halves; lane l gives the row (token 8 (2 k + l / 16) + l % 8) of matrix l / 8,
+          // value chunk v_local / 8 + (l / 8) % 2.
 #pragma unroll
-        for (int nt = 0; nt < kChunk / 8; ++nt) {
+          for (int k = 0; k < kChunk / 16; ++k) {
+            const uint32_t r[4] = {sm80::pack2<Elem>(o[2 * k][0], o[2 * k][1]), sm80::pack2<Elem>(o[2 * k][2], o[2 * k][3]),
+                                   sm80::pack2<Elem>(o[2 * k + 1][0], o[2 * k + 1][1]),
+                                   sm80::pack2<Elem>(o[2 * k + 1][2], o[2 * k + 1][3])};
+            sm90::stmatrix_x4_trans(
+                v_s + Shape::VTile::chunk_offset(16 * k + 8 * (lane >> 4) + (lane & 7), v_local / 8 + ((lane >> 3) & 1)), r);
+          }
+        } else
+#endif
+        {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
-            *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
+          for (int nt = 0; nt < kChunk / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int c = 8 * nt + 2 * t4 + (e & 1), v = v_local + g8 + 8 * (e >> 1);
+              *reinterpret_cast<Elem*>(st.v + Shape::VTile::offset(c, v)) = from_float<Elem>(o[nt][e]);
+            }
           }
         }
         __syncwarp();

@@ -20,6 +20,15 @@
 namespace flashkda {
 namespace sm90 {
 
+// Four 8x8 b16 matrices from m16n8 fragments (one packed pair per register, matrix i in r[i]) to
+// shared memory transposed: lanes 8 i .. 8 i + 7 give the row addresses of matrix i, and row j of
+// the stored matrix i is column j of the fragment's (8 consecutive elements, 16 bytes).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // Shared-memory matrix descriptor of a tile in 128-byte swizzled panels (sm80::PanelTile, 1024-byte
 // aligned). Byte offsets: lbo between 64-element panels along MN (MN-major B) or unused (K-major,
 // 16); sbo between 8-row groups (1024 for 128-byte rows).
