@@ -308,6 +308,20 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   const int cg = tid % kGroups, ts = tid / kGroups, d0 = 8 * cg, sub = ts / (kSubChunk / kSliceTokens);
   static_assert(kPrepareThreads == kGroups * kChunk / kSliceTokens && kGroups == 16, "two slices per warp");
 
+  // The gate's per-head and per-channel constants, loaded first: their latency then passes under
+  // the copies below instead of after them.
+  const float a_log = p.A_log != nullptr ? p.A_log[hv] : 0.f;
+  float bias[8];
+  {
+    const float* bp = p.dt_bias == nullptr ? nullptr : p.dt_bias + (p.scalar_gate ? hv : hv * kHeadDim + d0);
+    if (bp != nullptr && !p.scalar_gate && (reinterpret_cast<uintptr_t>(bp) & 15) == 0) {
+      load_floats(bp, bias);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) bias[e] = bp == nullptr ? 0.f : bp[p.scalar_gate ? 0 : e];
+    }
+  }
+
   // ---- Phase 0: this thread's part of the raw chunk into shared memory ------------------------
   // Each thread copies exactly the elements it reads in phase 1 (q in kj, k in kt, MatTile layout;
   // the KDA gate in qi, row-major in its own dtype) and waits for its own copies: no barrier.
@@ -336,17 +350,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     if (tid == 0) s.wide_mask = 0;
   }
   // The gate's scalars for this thread's channels (and tokens, with a scalar gate).
-  const float A = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
-  float bias[8];
-  {
-    const float* bp = p.dt_bias == nullptr ? nullptr : p.dt_bias + (p.scalar_gate ? hv : hv * kHeadDim + d0);
-    if (bp != nullptr && !p.scalar_gate && (reinterpret_cast<uintptr_t>(bp) & 15) == 0) {
-      load_floats(bp, bias);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) bias[e] = bp == nullptr ? 0.f : bp[p.scalar_gate ? 0 : e];
-    }
-  }
+  const float A = p.A_log != nullptr ? __expf(a_log) : 1.f;
   float gate_scalar[kSliceTokens];
 #pragma unroll
   for (int i = 0; i < kSliceTokens; ++i) {
