@@ -384,8 +384,10 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     }
     if (t4 == (g8 >> 1)) {  // this lane holds the diagonal entries of rows g8 (q) and g8 + 8 (k)
       const int t = t8 + g8;
-      const float rq = p.l2norm ? rsqrtf(acc[0][g8 & 1] + kL2NormEps) : 1.f;
-      const float rk = p.l2norm ? rsqrtf(acc[1][2 + (g8 & 1)] + kL2NormEps) : 1.f;
+      // Selected, not indexed by g8: a register array indexed at run time goes to local memory.
+      const bool odd = (g8 & 1) != 0;
+      const float rq = p.l2norm ? rsqrtf((odd ? acc[0][1] : acc[0][0]) + kL2NormEps) : 1.f;
+      const float rk = p.l2norm ? rsqrtf((odd ? acc[1][3] : acc[1][2]) + kL2NormEps) : 1.f;
       s.qscale[t] = t < c.len ? rq * p.scale : 0.f;
       s.kscale[t] = t < c.len ? rk : 0.f;
     }
