@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Device-side A/B timing of whole-library variants: the checked-out tree and a copy of it with each
+# patch applied (git diffs against the repository root), each built as its own extension for
+# sm_90a in parallel, then bench/prefill_quick.py run from each tree in turn, twice (ABAB, so drift
+# shows): end to end and per kernel, lower-bound gate, no segments. Use it when a change touches
+# both kernels (a record layout), where ab_prepare.sh sees only one side. Timing only: a variant
+# that wins still has to pass the GPU tests after it is applied.
+#   bash bench/harness/ab_library.sh [variant.patch ...]
+# ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be importable for the builds
+# (PYTHONPATH), as for any build of the extension.
+set -uo pipefail
+rows=${ROWS:-varlen_1024x8_H96,fixed_8k_H96,fixed_32k_H8,fixed_8k_H64}
+root=$(pwd)
+names=(base) dirs=("$root")
+for patch in "$@"; do
+  name=$(basename "$patch" .patch) dir=/tmp/ab_library/$name
+  rm -rf "$dir" && mkdir -p "$dir"
+  tar -c --exclude=./.git --exclude=./build --exclude='*.so' --exclude=./.cache --exclude=./.whl . | tar -x -C "$dir"
+  if patch -s -p1 -d "$dir" < "$patch"; then names+=("$name") dirs+=("$dir"); else echo "$name: patch failed"; fi
+done
+jobs_each=$(( $(nproc) / ${#names[@]} )); (( jobs_each < 1 )) && jobs_each=1
+for i in "${!names[@]}"; do
+  (cd "${dirs[$i]}" && FLASHKDA_CUDA_ARCHS=90a MAX_JOBS=$jobs_each python3 setup.py -q build_ext --inplace \
+     > "/tmp/ab_library_${names[$i]}.log" 2>&1) &
+done
+wait
+for i in "${!names[@]}"; do
+  if ! ls "${dirs[$i]}"/flashkda/_C*.so > /dev/null 2>&1; then
+    echo "${names[$i]}: build failed"; tail -5 "/tmp/ab_library_${names[$i]}.log"; exit 1
+  fi
+done
+for round in 1 2; do
+  for i in "${!names[@]}"; do
+    echo "== ${names[$i]}, round $round"
+    (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/prefill_quick.py --rows "$rows" \
+       --splits 0 --no-accuracy 2>&1 | grep "lb/split0")
+  done
+done
