@@ -67,11 +67,12 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(pool_bulk, c.pool, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
   CHECK(cudaMemcpy(o_bulk, c.o, c.tok * 2, cudaMemcpyDeviceToDevice));
   CHECK(cudaMemcpy(c.pool, pool0, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
-  // The register-streaming kernel of this state type, with prefetch distance kPrefetch.
-  auto run_stream = [&](auto prefetch, bool& launched_) {
-    constexpr int kPrefetch = decltype(prefetch)::value;
-    if constexpr (sizeof(StateT) == 4) return flashkda::decode_stream::run<bf16, kPrefetch>(p, 0, launched_);
-    else return flashkda::decode_stream_tc::run<bf16, kPrefetch>(p, 0, launched_);
+  // The streaming kernel of this state type: decode_stream with L2 prefetch distance kVariant
+  // (fp32), decode_stream_tc (bf16; every variant the library's).
+  auto run_stream = [&](auto variant, bool& launched_) {
+    constexpr int kVariant = decltype(variant)::value;
+    if constexpr (sizeof(StateT) == 4) return flashkda::decode_stream::run<bf16, kVariant>(p, 0, launched_);
+    else return flashkda::decode_stream_tc::run<bf16>(p, 0, launched_);
   };
   using P0 = std::integral_constant<int, 0>;
   using P1 = std::integral_constant<int, 1>;
@@ -87,8 +88,13 @@ int main(int argc, char** argv) {
   if (stream_launched) {
     ms_stream = median_ms([&] { run_stream(P0{}, stream_launched); }, 50);
     ms_prefetch[0] = median_ms([&] { run_stream(P1{}, stream_launched); }, 50);
-    ms_prefetch[1] = median_ms([&] { run_stream(P2{}, stream_launched); }, 50);
-    ms_prefetch[2] = median_ms([&] { run_stream(std::integral_constant<int, 3>{}, stream_launched); }, 50);
+    if constexpr (sizeof(StateT) == 4) {
+      ms_prefetch[1] = median_ms([&] { run_stream(P2{}, stream_launched); }, 50);
+      ms_prefetch[2] = median_ms([&] { run_stream(std::integral_constant<int, 3>{}, stream_launched); }, 50);
+    } else {  // more rounds
+      ms_prefetch[1] = median_ms([&] { run_stream(P0{}, stream_launched); }, 50);
+      ms_prefetch[2] = median_ms([&] { run_stream(P0{}, stream_launched); }, 50);
+    }
     CHECK(cudaGetLastError());
   }
   const double floor_ms = c.floor_bytes() / bw * 1e3;
@@ -97,14 +103,18 @@ int main(int argc, char** argv) {
               "(%.0f%%), copy %.2f TB/s\n",
               sizeof(StateT) == 4 ? "fp32" : "bf16", Tune::kConsumerWarps, Tune::kItemRows, Tune::kBlocksPerSm,
               S::kStages, N, c.T, ms, floor_ms, 100.0 * floor_ms / ms, bw / 1e12);
-  if (stream_launched)
-    std::printf("state %-5s %-16s N=%4d T=%d: %.4f ms (%.0f%% of the floor); L2 prefetch 1 / 2 ahead %.4f / %.4f ms, "
+  if (stream_launched && sizeof(StateT) == 4)
+    std::printf("state fp32  decode_stream    N=%4d T=%d: %.4f ms (%.0f%% of the floor); L2 prefetch 1 / 2 ahead %.4f / %.4f ms, "
                 "1 ahead evict-last %.4f ms | vs bulk: rel diff o %.1e, state %.1e\n",
-                sizeof(StateT) == 4 ? "fp32" : "bf16", sizeof(StateT) == 4 ? "decode_stream" : "decode_stream_tc", N, c.T,
-                ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch[0], ms_prefetch[1], ms_prefetch[2], o_diff, s_diff);
-  // argv[3] (optional): comma-separated block counts for the register-streaming kernel with the
-  // library's prefetch (one stride; evict-last for decode_stream_tc), e.g. 264,256,248: whether a grid whose warps divide the work
-  // units evenly (no partial last round) is faster.
+                N, c.T, ms_stream, 100.0 * floor_ms / ms_stream, ms_prefetch[0], ms_prefetch[1], ms_prefetch[2], o_diff, s_diff);
+  if (stream_launched && sizeof(StateT) == 2)
+    std::printf("state bf16  decode_stream_tc N=%4d T=%d: %.4f / %.4f / %.4f / %.4f ms (four rounds; %.0f%% of the floor) "
+                "| vs bulk: rel diff o %.1e, state %.1e\n",
+                N, c.T, ms_stream, ms_prefetch[0], ms_prefetch[1], ms_prefetch[2], 100.0 * floor_ms / ms_prefetch[2], o_diff,
+                s_diff);
+  // argv[3] (optional): comma-separated block counts for the streaming kernel as the library runs it,
+  // e.g. 264,256,248: whether a grid whose warps divide the work units evenly (no partial last round)
+  // is faster.
   if (argc > 3 && stream_launched) {
     constexpr bool kFp32 = sizeof(StateT) == 4;
     const uint32_t units = kFp32 ? uint32_t(int64_t(N) * p.HV * flashkda::decode_stream::kBlocksV)
@@ -120,23 +130,23 @@ int main(int argc, char** argv) {
         if constexpr (kFp32)
           flashkda::decode_stream::decode_step_stream<bf16, 1><<<grid, warps * 32>>>(p, units);
         else
-          flashkda::decode_stream_tc::decode_step_stream_tc<bf16, 3><<<grid, warps * 32>>>(p, units);
+          flashkda::decode_stream_tc::decode_step_stream_tc<bf16><<<grid, warps * 32>>>(p, units);
       }, 100);
       CHECK(cudaGetLastError());
       std::printf("  grid %4u blocks (%.2f rounds of work units): %.4f ms\n", grid, double(units) / (grid * warps), t);
-      if constexpr (!kFp32) {  // the same with 32-bit stores into the tile instead of stmatrix, checked
-        namespace tc = flashkda::decode_stream_tc;
-        constexpr auto kWords = tc::TileStores::kWords;
-        CHECK(cudaMemcpy(c.pool, pool0, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
-        tc::decode_step_stream_tc<bf16, 3, kWords><<<grid, warps * 32>>>(p, units);
-        CHECK(cudaDeviceSynchronize());
-        const double od = rel_diff(o_bulk, c.o, c.tok), sd = rel_diff(pool_bulk, c.pool, c.state);
-        const float tw = median_ms([&] { tc::decode_step_stream_tc<bf16, 3, kWords><<<grid, warps * 32>>>(p, units); }, 100);
-        CHECK(cudaGetLastError());
-        std::printf("  grid %4u blocks, 32-bit tile stores: %.4f ms | vs bulk: rel diff o %.1e, state %.1e\n", grid, tw, od,
-                    sd);
-      }
     }
+  }
+  if constexpr (sizeof(StateT) == 2) {  // the 32-bit tile stores of the sm_80 image, on this device, checked
+    namespace tc = flashkda::decode_stream_tc;
+    bool la = false;
+    CHECK(cudaMemcpy(c.pool, pool0, c.state * sizeof(StateT), cudaMemcpyDeviceToDevice));
+    CHECK((tc::run<bf16, true>(p, 0, la)));
+    CHECK(cudaDeviceSynchronize());
+    const double od = rel_diff(o_bulk, c.o, c.tok), sd = rel_diff(pool_bulk, c.pool, c.state);
+    const float tw = median_ms([&] { tc::run<bf16, true>(p, 0, la); }, 100);
+    CHECK(cudaGetLastError());
+    std::printf("state bf16  decode_stream_tc N=%4d, 32-bit tile stores: %.4f ms | vs bulk: rel diff o %.1e, state %.1e\n", N,
+                tw, od, sd);
   }
   return 0;
 }

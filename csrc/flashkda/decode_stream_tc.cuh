@@ -1,13 +1,13 @@
-// Decode step for bf16 V-first states, one token per sequence: decode_stream.cuh's persistent
-// register streaming, with each token's sums over K on the tensor cores (mma.sync m16n8k16, any
-// sm_80+ device). run_decode_stream_tc decides; decode_bulk.cuh (sm_90) and decode_step_vfirst serve
-// the rest.
+// Decode step for bf16 V-first states, one token per sequence: persistent warps stream their state
+// items through shared memory, with each token's sums over K on the tensor cores (mma.sync
+// m16n8k16, any sm_80+ device). run_decode_stream_tc decides; decode_bulk.cuh (sm_90) and
+// decode_step_vfirst serve the rest.
 //
 // Why: with a bf16 state a 4 KB item holds twice the elements of an fp32 one, and decode_stream's
 // per-element arithmetic (unpack, two FMAs for the sums, the update, pack) and shuffle reductions
 // then take longer than the memory: measured 0.217 ms at N = 256, H = 32, against decode_bulk.cuh's
 // 0.186. Here the sums S (d ⊙ k) and S (d ⊙ q) of an item's 16 rows are 8 MMAs, and only the update
-// S ⊙ d + u kᵀ stays elementwise: 0.168 ms in its prototype (BENCHMARK_H200.md).
+// S ⊙ d + u kᵀ stays elementwise.
 //
 // Work item: (sequence, value head, 16 value rows), 4 KB of bf16 state. Each item travels in line
 // order between global memory and a per-warp shared-memory tile (lane l moves 16-byte chunks 32 i +
@@ -22,9 +22,12 @@
 // token per sequence only (decode_bulk.cuh keeps fp32 between the tokens of a speculative
 // verification).
 //
-// A warp walks units of kItemsPerUnit consecutive items of one head, which share the token's
-// preparation: its factors go to the warp's shared-memory scratch (read back by the update) and
-// into the B operand (registers).
+// Each warp has two tiles: the next item's state goes out as cp.async copies into the other tile
+// when the current item's computation starts, so its 4 KB are in flight during that computation
+// without holding registers. A warp walks units of kItemsPerUnit consecutive items of one head,
+// which share the token's preparation: its factors go to the warp's shared-memory scratch (read back
+// by the update) and into the B operand (registers); the next unit's token rows are loaded as soon
+// as the current unit's are prepared.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -33,6 +36,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "api.h"
 #include "decode_stream.cuh"
@@ -46,10 +50,16 @@ namespace decode_stream_tc {
 constexpr int D = kDecodeBulkHeadDim;
 constexpr int kRows = 16;  // value rows per item: the MMA's M
 constexpr int kBlocksV = D / kRows;
-constexpr int kWarps = 8;
-constexpr int kBlocksPerSm = 2;  // 128 registers; 3 blocks at 80 registers spill and are slower
-// Items per unit (one token preparation). Measured on the H200 (N = 64 / 256 / 1024, ms): 1 0.0555 /
-// 0.1788 / 0.7126, 2 0.0499 / 0.1697 / 0.6596, 4 0.0527 / 0.1683 / 0.6476, 8 0.0492 / 0.1704 / 0.6656.
+// Warps per block and blocks per SM: 16 warps per SM at the 128-register cap, whose two 4 KB tiles
+// and scratch fit the static shared-memory limit of a 4-warp block. Measured on the H200
+// (bench/harness/decode_harness.cu, N = 64 / 256 / 1024, ms): 4 warps x 4 blocks 0.0415 / 0.1486 /
+// 0.5836; 2 x 8 0.0414 / 0.1477 / 0.5791; three tiles per warp (2 x 8) 0.0435 / 0.1507 / 0.5807;
+// 20 warps per SM (96 registers, spills) 0.0497 / 0.1667 / 0.6321.
+constexpr int kWarps = 4;
+constexpr int kBlocksPerSm = 4;
+constexpr int kStages = 2;  // tiles per warp
+// Items per unit (one token preparation). Measured on the H200 (same harness and sizes): 2 0.0430 /
+// 0.1497 / 0.5840, 4 0.0415 / 0.1486 / 0.5836, 8 0.0400 / 0.1535 / 0.5841.
 constexpr int kItemsPerUnit = 4;
 static_assert(D == 128 && kBlocksV % kItemsPerUnit == 0, "16-row items, units within one head");
 
@@ -136,36 +146,33 @@ __device__ __forceinline__ decode_stream::Prepared prepare(const RecurrentParams
   return t;
 }
 
-// How the updated fragments reach the tile: stmatrix (sm_90), or 32-bit stores (any device).
-enum class TileStores : int { kByArch = 0, kMatrix = 1, kWords = 2 };
-
+// stmatrix (sm_90 only: the kernel stores by 32-bit words below it).
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
                "r"(r[2]), "r"(r[3]));
 #else
-  __trap();  // TileStores::kByArch never takes this path below sm_90
+  __trap();
 #endif
 }
 
-// kPrefetch: while an item is computed, state rows ahead are prefetched into L2, one 128-byte line per
-// lane and instruction: 1, the next item's; 3, the same with the evict-last priority, so that the line
-// is still there when its load comes; 2, at the start of a unit, the whole next unit's (measurements:
-// run_decode_stream_tc below). kStores: TileStores (kByArch in the library; the others for timing
-// and for checking the 32-bit path on an sm_90 device).
-template <typename Elem, int kPrefetch = 0, TileStores kStores = TileStores::kByArch>
+static_assert(kWarps * (kStages * sizeof(Tile) + sizeof(Scratch)) <= 48 * 1024, "static shared memory");
+
+// kWordStores: the updated fragments reach the tile by 32-bit stores, as below sm_90, instead of
+// stmatrix (for checking that path on an sm_90 device).
+template <typename Elem, bool kWordStores = false>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream_tc(const RecurrentParams p, const uint32_t num_units) {
+  static_assert(kStages == 2, "one item ahead");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kMatrixStores = kStores != TileStores::kWords;
+  constexpr bool kMatrixStores = !kWordStores;
 #else
-  constexpr bool kMatrixStores = kStores == TileStores::kMatrix;
+  constexpr bool kMatrixStores = false;
 #endif
   __shared__ Scratch scratch[kWarps];
-  __shared__ Tile tiles[kWarps];  // with the scratch, 48 KB: the static limit
+  __shared__ Tile tiles[kWarps][kStages];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
   Scratch& sc = scratch[warp];
-  Tile& tile = tiles[warp];
   const uint32_t stride = gridDim.x * kWarps;
   const int64_t slot_elems = int64_t(p.HV) * D * D;
   const bf16* state_in = static_cast<const bf16*>(p.state_in);
@@ -174,66 +181,70 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   uint32_t unit = blockIdx.x * kWarps + warp;
   if (unit >= num_units) return;
   Item cur = resolve(p, unit * kItemsPerUnit), next{};
-  if (unit + stride < num_units) next = resolve(p, (unit + stride) * kItemsPerUnit);
-  int m = 0;
+  bool has_next = unit + stride < num_units;
+  if (has_next) next = resolve(p, (unit + stride) * kItemsPerUnit);
+  int m = 0, b = 0;  // item within the unit, tile of the current item
 
   auto item_offset = [&](const Item& it, int slot) {
     return int64_t(slot) * slot_elems + int64_t(it.hv) * D * D + int64_t(it.v0) * D;
   };
-  auto item_line = [&](const Item& it) { return state_in + item_offset(it, it.read_slot) + 64 * lane; };
-  // L[i]: the item's 16-byte chunk 32 i + lane (row 2 i + lane / 16, chunk lane % 16), in and out.
-  uint4 L[8];
+  // Chunk 32 i + lane of an item (row 2 i + lane / 16, chunk lane % 16), in and out.
   auto line_row = [&](int i) { return 2 * i + lane / 16; };
+  // The item's state into `tile` (zeros without a read slot); one commit group per call.
+  auto load_state = [&](const Item& it, Tile& tile) {
+    if (!it.skip) {
+      if (it.read_slot >= 0) {
+        const uint4* src = reinterpret_cast<const uint4*>(state_in + item_offset(it, it.read_slot));
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sm80::cp_async_16(sm80::smem_u32(&tile.at(line_row(i), lane % 16)), src + 32 * i + lane);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) tile.at(line_row(i), lane % 16) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    sm80::cp_async_commit();
+  };
   // ldmatrix / stmatrix address of k-step s: lane supplies row (lane & 7) + 8 ((lane >> 3) & 1) of
   // chunk 2 s + (lane >> 4).
   const int mrow = (lane & 7) + 8 * ((lane >> 3) & 1), mchunk = lane >> 4;
   decode_stream::TokenRaw<Elem> tok;
   Elem v[2];  // the token's v at rows g, g + 8
-  auto load_state = [&](const Item& it) {
-    const uint4* src = reinterpret_cast<const uint4*>(state_in + item_offset(it, it.read_slot));
-#pragma unroll
-    for (int i = 0; i < 8; ++i) L[i] = it.read_slot >= 0 ? __ldcs(src + 32 * i + lane) : make_uint4(0u, 0u, 0u, 0u);
-  };
-  auto load_item = [&](const Item& it, bool token) {
-    load_state(it);
+  auto load_v = [&](const Item& it) {
     if (!it.skip) {
       const decode_stream::Item si = as_stream_item(it);
-      if (token) tok = decode_stream::load_token<Elem>(p, si, 0, lane);
       v[0] = decode_stream::load_v<Elem>(p, si, 0, g), v[1] = decode_stream::load_v<Elem>(p, si, 0, g + 8);
     }
   };
-  load_item(cur, true);
+  auto load_next_token = [&] {
+    if (has_next && !next.skip) tok = decode_stream::load_token<Elem>(p, as_stream_item(next), 0, lane);
+  };
+  load_state(cur, tiles[warp][0]);
+  if (!cur.skip) tok = decode_stream::load_token<Elem>(p, as_stream_item(cur), 0, lane);
+  load_v(cur);
 
   uint32_t B[8][2];
   uint32_t A[8][4];
   decode_stream::Prepared t{};
   while (true) {
-    if constexpr (kPrefetch == 1 || kPrefetch == 3) {
-      const bool same_unit = m + 1 < kItemsPerUnit;
-      if (same_unit || unit + stride < num_units) {
-        Item after = same_unit ? cur : next;
-        if (same_unit) after.v0 += kRows;
-        if (after.read_slot >= 0) {
-          if constexpr (kPrefetch == 3) decode_stream::prefetch_l2_evict_last(item_line(after));
-          else decode_stream::prefetch_l2(item_line(after));
-        }
-      }
-    } else if constexpr (kPrefetch == 2) {
-      if (m == 0 && unit + stride < num_units && next.read_slot >= 0)
-#pragma unroll
-        for (int i = 0; i < kItemsPerUnit; ++i) decode_stream::prefetch_l2(item_line(next) + i * kRows * D);
-    }
+    // The item after this one: the next rows of the head, or the next unit's first item.
+    const bool same_unit = m + 1 < kItemsPerUnit;
+    Item after = same_unit ? cur : next;
+    if (same_unit) after.v0 += kRows;
+    const bool has_after = same_unit || has_next;
+    __syncwarp();  // every lane has read tile b ^ 1 (the previous item's stores)
+    if (has_after) load_state(after, tiles[warp][b ^ 1]);
+    else sm80::cp_async_commit();
+    Tile& tile = tiles[warp][b];
     Elem* o = static_cast<Elem*>(p.o) + cur.batch * p.o_batch_stride + int64_t(cur.hv) * p.o_head_stride + cur.v0 + g;
     if (cur.skip) {
       if (t4 == 0) o[0] = o[8] = from_float<Elem>(0.f);
     } else {
-      __syncwarp();  // every lane has read the previous item's tile
-#pragma unroll
-      for (int i = 0; i < 8; ++i) tile.at(line_row(i), lane % 16) = L[i];
+      // The token's preparation does not need the tile: it runs while the copies are in flight.
+      if (m == 0) t = prepare<Elem>(p, tok, sc, B, lane), load_next_token();
+      sm80::cp_async_wait<kStages - 1>();
       __syncwarp();
 #pragma unroll
       for (int s = 0; s < 8; ++s) sm80::ldmatrix_x4(A[s], sm80::smem_u32(&tile.at(mrow, 2 * s + mchunk)));
-      if (m == 0) t = prepare<Elem>(p, tok, sc, B, lane);
       // Column n of the product at rows g, g + 8 lands in lanes with t4 = n / 2: t4 0 holds the
       // bf16 parts of sk, sq, t4 1 the remainders.
       float acc0[4] = {0.f, 0.f, 0.f, 0.f}, acc1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -246,6 +257,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
         sums[j] += __shfl_xor_sync(0xffffffffu, sums[j], 1);
       }
       float u0 = t.beta * (to_float(v[0]) - sums[0]), u1 = t.beta * (to_float(v[1]) - sums[2]);
+      if (has_after) load_v(after);
       if (t4 == 0) o[0] = from_float<Elem>(sums[1] + u0 * t.kq), o[8] = from_float<Elem>(sums[3] + u1 * t.kq);
       u0 = __shfl_sync(0xffffffffu, u0, lane & ~3);
       u1 = __shfl_sync(0xffffffffu, u1, lane & ~3);
@@ -282,18 +294,21 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
         for (int i = 0; i < 8; ++i) __stcs(dst + 32 * i + lane, tile.at(line_row(i), lane % 16));
       }
     }
+    if (cur.skip && has_after) load_v(after);
+    b ^= 1;
     if (++m < kItemsPerUnit) {
       cur.v0 += kRows;  // the next rows of the same head: same slots, same token
-      load_item(cur, false);
       continue;
     }
     m = 0;
     unit += stride;
     if (unit >= num_units) break;
+    if (cur.skip && !next.skip) tok = decode_stream::load_token<Elem>(p, as_stream_item(next), 0, lane);
     cur = next;
-    if (unit + stride < num_units) next = resolve(p, (unit + stride) * kItemsPerUnit);
-    load_item(cur, true);
+    has_next = unit + stride < num_units;
+    if (has_next) next = resolve(p, (unit + stride) * kItemsPerUnit);
   }
+  sm80::cp_async_wait<0>();
 }
 
 // The cases this kernel serves: recurrent::persistent_decode_covers with bf16 states, exactly one
@@ -305,26 +320,22 @@ bool covers(const RecurrentParams& p) {
          p.num_slots < (int64_t(1) << 31) && recurrent::token_rows_aligned16<Elem>(p);
 }
 
-template <typename Elem, int kPrefetch = 0>
+template <typename Elem, bool kWordStores = false>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
   if (!covers<Elem>(p)) return cudaSuccess;
   const uint32_t num_units = uint32_t(int64_t(p.N) * p.HV * (kBlocksV / kItemsPerUnit));
-  return recurrent::launch_persistent<decode_step_stream_tc<Elem, kPrefetch>>(p, kWarps, num_units, stream, launched);
+  return recurrent::launch_persistent<decode_step_stream_tc<Elem, kWordStores>>(p, kWarps, num_units, stream, launched);
 }
 
 }  // namespace decode_stream_tc
 
-// The library prefetches one item ahead with the evict-last priority. Measured on the H200
-// (bench/harness/decode_harness.cu, N = 64 / 256 / 1024, ms), with the fragment-layout loads and
-// stores that came before this kernel's tile: no prefetch 0.0503 / 0.1661 / 0.6410, one item ahead
-// 0.0449 / 0.1636 / 0.6047, the same with evict-last 0.0455 / 0.1611 / 0.5983, a unit ahead 0.0456 /
-// 0.2006 / 0.7952. This kernel against that one, two runs: 0.0465 / 0.1578 / 0.5901 and 0.0491 /
-// 0.1578 / 0.5928 against 0.0497 / 0.1617 / 0.5945 and 0.0476 / 0.1614 / 0.5947; with 32-bit
-// stores into the tile instead of stmatrix 0.0472 / 0.1595 / 0.5941 and 0.0457 / 0.1599 / 0.5924.
+// State traffic in cp.async tiles against the earlier form that held the next item in registers
+// (loaded after the current item's stores; L2 prefetch one item ahead): H200, N = 256, 0.149-0.151
+// ms against 0.158-0.160 (bench/harness/decode_harness.cu, BENCHMARK_H200.md).
 template <typename Elem>
 cudaError_t run_decode_stream_tc(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
-  return decode_stream_tc::run<Elem, 3>(p, stream, launched);
+  return decode_stream_tc::run<Elem>(p, stream, launched);
 }
 
 }  // namespace flashkda
