@@ -1,11 +1,11 @@
 // Standalone timing of the sm_90 decode kernel (decode_bulk.cuh) for one tuning, and of the
-// register-streaming kernel for the same state type (decode_stream.cuh for an fp32 state,
+// persistent streaming kernel for the same state type (decode_stream.cuh for an fp32 state,
 // decode_stream_tc.cuh for a bf16 one, which takes one token per sequence), without PyTorch:
 // bench/test_decode.py's case (H = 32, K = V = 128, bf16 tokens, V-first pool of N + 8 slots with
 // shuffled int32 slot indices, lower-bound gate with A_log / dt_bias, l2norm, beta sigmoid), fp32 or
 // bf16 pool, T tokens per sequence (argv[2], default 1). Prints the median kernel time of
 // back-to-back launches and the fraction of the floor (state read and written once plus the token
-// tensors, at the measured copy bandwidth), and how far decode_stream's output and state are from
+// tensors, at the measured copy bandwidth), and how far the streaming kernel's output and state are from
 // decode_bulk's after one step from the same pool. argv[3]: see the grid sweep at the end.
 //   nvcc -std=c++17 -O3 -Icsrc -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        -DCONSUMER_WARPS=4 -DITEM_ROWS=32 -DBLOCKS_PER_SM=2 -DSTATE=float bench/harness/decode_harness.cu \

@@ -36,7 +36,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <type_traits>
 
 #include "api.h"
 #include "decode_stream.cuh"
