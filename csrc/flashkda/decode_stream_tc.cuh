@@ -330,8 +330,8 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
 }  // namespace decode_stream_tc
 
 // State traffic in cp.async tiles against the earlier form that held the next item in registers
-// (loaded after the current item's stores; L2 prefetch one item ahead): H200, N = 256, 0.149-0.151
-// ms against 0.158-0.160 (bench/harness/decode_harness.cu, BENCHMARK_H200.md).
+// (loaded after the current item's stores; L2 prefetch one item ahead): H200, N = 256, 0.148-0.152
+// ms against 0.158-0.161 in the same runs (bench/harness/decode_harness.cu, BENCHMARK_H200.md).
 template <typename Elem>
 cudaError_t run_decode_stream_tc(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   return decode_stream_tc::run<Elem>(p, stream, launched);
