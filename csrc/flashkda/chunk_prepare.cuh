@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   const int slot = blockIdx.x, hv = blockIdx.y;
   ChunkSpan c;
   if (!locate_chunk(p, slot, c)) return;
-  const int h = hv / (p.HV / p.H);
+  const int h = key_head(p, hv);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g8 = lane >> 2, t4 = lane & 3;
   uint8_t* rec = static_cast<uint8_t*>(p.workspace) + (int64_t(slot) * p.HV + hv) * WorkspaceLayout::kRecordBytes;

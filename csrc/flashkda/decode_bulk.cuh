@@ -254,7 +254,7 @@ __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& pl
             sm90::bulk_copy_to_shared(st, src, S::kTileBytes, &full[stage], evict_first);
           }
           if (h.flags & kStaged) {
-            const int hk = c.hv / (p.HV / p.H);
+            const int hk = key_head(p, c.hv);
             const recurrent::TokenSrc<Elem> tok = recurrent::global_token<Elem, D>(p, h.batch, h.bos, hk, c.hv);
             const Elem* v = static_cast<const Elem*>(p.v) + h.batch * p.v_batch_stride + h.bos * p.v_token_stride +
                             int64_t(c.hv) * p.v_head_stride + c.vblock * S::kRows;
@@ -293,7 +293,7 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
     sm90::mbarrier_wait(&full[stage], phase);
     const StageHeader h = *hdr;
     const ItemCoords c = item_coords<S::kBlocksV>(p, item);
-    const int hv = c.hv, hk = hv / (p.HV / p.H), v0 = c.vblock * S::kRows;
+    const int hv = c.hv, hk = key_head(p, hv), v0 = c.vblock * S::kRows;
     Elem* o_rows = static_cast<Elem*>(p.o) + h.batch * p.o_batch_stride + int64_t(hv) * p.o_head_stride + v0 + row0;
     bool stored = false;
 

@@ -162,7 +162,7 @@ __device__ __forceinline__ void unpack_gate4(const uint4& raw, DType dt, float (
 template <typename Elem>
 __device__ __forceinline__ TokenRaw<Elem> load_token(const RecurrentParams& p, const Item& it, int64_t t, int lane) {
   using Four = typename TokenRaw<Elem>::Four;
-  const int hk = it.hv / (p.HV / p.H), c0 = kKeysPerLane * lane;
+  const int hk = key_head(p, it.hv), c0 = kKeysPerLane * lane;
   const recurrent::TokenSrc<Elem> src = recurrent::global_token<Elem, D>(p, it.batch, t, hk, it.hv);
   TokenRaw<Elem> r;
   r.q = *reinterpret_cast<const Four*>(src.q + c0);

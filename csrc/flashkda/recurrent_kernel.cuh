@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(VFirstShape<D>::kThreads, VFirstShape<D>::kMin
   const BlockCoords bc = block_coords(p, kBlocksV);
   const int n = bc.n, hv = bc.hv;
   const int v0 = bc.vblock * Shape::kRows;
-  const int h = hv / (p.HV / p.H);
+  const int h = key_head(p, hv);
   const int lane = threadIdx.x % 32;
   const int lane_k = threadIdx.x % TK;
   const int row0 = v0 + threadIdx.x / TK;  // rows row0 + j * kRowsPerPass
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMin
 
   const BlockCoords bc = block_coords(p, kBlocksV);
   const int n = bc.n, hv = bc.hv;
-  const int h = hv / (p.HV / p.H);
+  const int h = key_head(p, hv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = bc.vblock * Shape::kCols + warp * 16 + lane % 16;
   const int r0 = (lane / 16) * R;  // this lane's key rows: r0 .. r0 + R - 1
