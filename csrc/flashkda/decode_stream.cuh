@@ -354,9 +354,11 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     item += stride;
     if (item >= num_items) break;
     cur = next;
+    // The item's loads first, then the next item's slot (index loads and a division by HV that
+    // would otherwise stand between the stores above and these loads).
+    load_item(cur);
     if (item + stride < num_items) next = resolve_item(p, item + stride);
     if constexpr (kPrefetch == 2) ahead = item + 2 * stride < num_items ? item_line(resolve_item(p, item + 2 * stride)) : nullptr;
-    load_item(cur);
   }
 }
 
