@@ -69,16 +69,16 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Per-token preprocessing (KDA_SPEC steps 3 and 4)
-// ---------------------------------------------------------------------------------------------
-
 // The q / k head that value head hv reads (GVA: HV / H consecutive value heads share one). With
 // HV == H, the usual case, it skips the two integer divisions (about 25 instructions each).
 template <class Params>
 __device__ __forceinline__ int key_head(const Params& p, int hv) {
   return p.HV == p.H ? hv : hv / (p.HV / p.H);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Per-token preprocessing (KDA_SPEC steps 3 and 4)
+// ---------------------------------------------------------------------------------------------
 
 // 2^x on the special-function unit, results below 2^-126 flushed to zero. __expf(x) is this of
 // x·log2(e), plus the rescaling that keeps subnormal results: code that works on base-2 logs skips
