@@ -4,9 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <utility>
 
 #include "chunk_params.h"
+#include "kernel_launch.cuh"
 #include "mma_sm80.cuh"
 #include "token_math.cuh"
 
@@ -18,52 +18,6 @@ namespace chunk {
 // in 128-byte swizzled panels that ldmatrix and wgmma descriptors read alike.
 using MatTile = sm80::PanelTile<kChunk, kHeadDim / 8>;
 using SqTile = sm80::PanelTile<kChunk, kChunk / 8>;
-
-// Programmatic dependent launch (sm_90): chunk_prepare and the first chunk_recurrence pass are
-// launched with programmatic stream serialization (launch_overlapped), so the grid is set up while
-// the kernel before it in the stream finishes; each calls wait_prior_grid() before it touches
-// global memory (the wait returns once that kernel has completed and its writes are visible), and
-// chunk_index and chunk_prepare call allow_next_grid() once they have started. Without the launch
-// attribute, or below sm_90, both are no-ops.
-__device__ __forceinline__ void wait_prior_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_next_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// Whether this device runs the sm_90 image of kernel (an sm_80-only build on an H100 does not).
-template <typename Kernel>
-bool has_sm90_image(Kernel kernel) {
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.binaryVersion >= 90;
-}
-
-// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
-// `overlapped` (the kernel then calls wait_prior_grid() first; only for sm_90 images).
-template <typename... Params, typename... Args>
-cudaError_t launch_overlapped(bool overlapped, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-                              cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = overlapped ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
 
 struct SeqSpan {
   int64_t batch;  // batch row of the token tensors

@@ -27,6 +27,7 @@
 
 #include "api.h"
 #include "bulk_sm90.cuh"
+#include "kernel_launch.cuh"
 #include "recurrent_common.cuh"
 #include "recurrent_params.h"
 #include "token_math.cuh"
@@ -451,9 +452,8 @@ int blocks_per_sm() {
   static std::atomic<int> known[recurrent::kMaxCachedDevices];
   return recurrent::cached_per_device(known, [] {
     const auto kernel = decode_step_bulk<Elem, StateT, Tune>;
-    cudaFuncAttributes attr;
     int blocks = 0;
-    const bool ok = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+    const bool ok = has_sm90_image(kernel) &&
                     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes) == cudaSuccess &&
                     cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                          int(cudaSharedmemCarveoutMaxShared)) == cudaSuccess &&
