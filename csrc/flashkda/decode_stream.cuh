@@ -220,10 +220,18 @@ __device__ __forceinline__ Prepared prepare_token(const RecurrentParams& p, cons
   for (int e = 0; e < 4; ++e) qq += q[e] * q[e], kk += t.k[e] * t.k[e], qk += q[e] * t.k[e];
   float q_scale = p.scale, k_scale = 1.f;
   if (p.l2norm) {
-    q_scale *= rsqrtf(recurrent::group_sum<32>(qq) + kL2NormEps);
-    k_scale = rsqrtf(recurrent::group_sum<32>(kk) + kL2NormEps);
+    // The three sums in one reduce_scatter (6 shuffles instead of 15): lanes 0-7 get q·q, 8-15
+    // k·k, 16-23 k·q. Those lanes take the norms' rsqrt, and three shuffles hand out the results.
+    const int lane = threadIdx.x % 32;
+    float x[4] = {qq, kk, qk, 0.f};
+    const float sum = reduce_scatter<4>(x, lane);
+    const float f = lane < 16 ? rsqrtf(sum + kL2NormEps) : sum;
+    q_scale *= __shfl_sync(0xffffffffu, f, 0);
+    k_scale = __shfl_sync(0xffffffffu, f, 8);
+    t.kq = __shfl_sync(0xffffffffu, f, 16) * q_scale * k_scale;
+  } else {
+    t.kq = recurrent::group_sum<32>(qk) * q_scale;
   }
-  t.kq = recurrent::group_sum<32>(qk) * q_scale * k_scale;
 #pragma unroll
   for (int e = 0; e < 4; ++e) t.k[e] *= k_scale, t.dk[e] = t.d[e] * t.k[e], t.dq[e] = t.d[e] * (q[e] * q_scale);
   t.beta = beta_value(p, bits_to_float(r.beta, p.beta_dtype));
