@@ -145,11 +145,14 @@ __device__ __forceinline__ decode_stream::Prepared prepare(const RecurrentParams
   return t;
 }
 
-// stmatrix (sm_90 only: the kernel stores by 32-bit words below it).
+// stmatrix (sm_90 only: the kernel stores by 32-bit words below it). Here rather than beside
+// sm90::stmatrix_x4_trans because wgmma_sm90.cuh compiles only for sm_90a, and this kernel runs on
+// any sm_90+ device; same "memory" clobber rule as that one.
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
-               "r"(r[2]), "r"(r[3]));
+               "r"(r[2]), "r"(r[3])
+               : "memory");
 #else
   __trap();
 #endif
