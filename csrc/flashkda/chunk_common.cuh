@@ -19,6 +19,10 @@ namespace chunk {
 using MatTile = sm80::PanelTile<kChunk, kHeadDim / 8>;
 using SqTile = sm80::PanelTile<kChunk, kChunk / 8>;
 
+// Overlapped launches (kernel_launch.cuh): chunk_prepare and the first chunk_recurrence pass are
+// launched with programmatic stream serialization on sm_90 images and wait for the prior grid
+// before touching global memory; chunk_index and chunk_prepare let the next grid start once they run.
+
 struct SeqSpan {
   int64_t batch;  // batch row of the token tensors
   int64_t bos;    // first token of the sequence within that row
