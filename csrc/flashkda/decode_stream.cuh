@@ -212,8 +212,10 @@ __device__ __forceinline__ Prepared prepare_token(const RecurrentParams& p, cons
     for (int e = 0; e < 4; ++e) t.d[e] = decay;
   } else {
     unpack_gate4(r.g, p.g_dtype, g);
+    float log_d[4];
+    log_decays(p, g, bias, a, log_d);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) t.d[e] = __expf(log_decay(p, g[e], bias[e], a));
+    for (int e = 0; e < 4; ++e) t.d[e] = __expf(log_d[e]);
   }
   float qq = 0.f, kk = 0.f, qk = 0.f;
 #pragma unroll

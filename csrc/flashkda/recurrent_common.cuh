@@ -156,13 +156,20 @@ __device__ __forceinline__ float finish_token(const RecurrentParams& p, const To
                                               TokenScratch<D>& sc, int lane) {
   constexpr int M = TokenRegs<D>::M;
   float qq = 0.f, kk = 0.f, qk = 0.f, dr[M];
-  const float scalar_decay = p.scalar_gate ? __expf(log_decay(p, r.g[0], r.bias[0], a)) : 0.f;
+  if (p.scalar_gate) {
+    const float decay = __expf(log_decay(p, r.g[0], r.bias[0], a));
+#pragma unroll
+    for (int m = 0; m < M; ++m) dr[m] = decay;
+  } else {
+    log_decays(p, r.g, r.bias, a, dr);
+#pragma unroll
+    for (int m = 0; m < M; ++m) dr[m] = __expf(dr[m]);
+  }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     qq += r.q[m] * r.q[m];
     kk += r.k[m] * r.k[m];
     qk += r.q[m] * r.k[m];
-    dr[m] = p.scalar_gate ? scalar_decay : __expf(log_decay(p, r.g[m], r.bias[m], a));
   }
   float q_scale = p.scale, k_scale = 1.f;
   if (p.l2norm) {

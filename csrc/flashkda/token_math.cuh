@@ -121,12 +121,32 @@ __device__ __forceinline__ float log_decay_as(const RecurrentParams& p, float ra
   else return raw;
 }
 
-__device__ __forceinline__ float log_decay(const RecurrentParams& p, float raw, float bias, float a) {
+// Natural-log decays of N channels with one branch on the gate mode for all of them, so that their
+// special-function chains can interleave (a branch per channel serialises them).
+template <int N>
+__device__ __forceinline__ void log_decays(const RecurrentParams& p, const float (&raw)[N], const float (&bias)[N], float a,
+                                           float (&out)[N]) {
   switch (p.gate_mode) {
-    case GateMode::kLowerBound: return log_decay_as<GateMode::kLowerBound>(p, raw, bias, a);
-    case GateMode::kSoftplus: return log_decay_as<GateMode::kSoftplus>(p, raw, bias, a);
-    default: return log_decay_as<GateMode::kPrecomputed>(p, raw, bias, a);
+    case GateMode::kLowerBound:
+#pragma unroll
+      for (int e = 0; e < N; ++e) out[e] = log_decay_as<GateMode::kLowerBound>(p, raw[e], bias[e], a);
+      break;
+    case GateMode::kSoftplus:
+#pragma unroll
+      for (int e = 0; e < N; ++e) out[e] = log_decay_as<GateMode::kSoftplus>(p, raw[e], bias[e], a);
+      break;
+    default:
+#pragma unroll
+      for (int e = 0; e < N; ++e) out[e] = log_decay_as<GateMode::kPrecomputed>(p, raw[e], bias[e], a);
   }
+}
+
+// One channel (a scalar gate, or channels handled one at a time).
+__device__ __forceinline__ float log_decay(const RecurrentParams& p, float raw, float bias, float a) {
+  const float raw1[1] = {raw}, bias1[1] = {bias};
+  float out[1];
+  log_decays(p, raw1, bias1, a, out);
+  return out[0];
 }
 
 __device__ __forceinline__ float beta_value(const RecurrentParams& p, float raw) {
