@@ -170,3 +170,52 @@ def test_sm90_unaligned_state_falls_back():
     torch.cuda.synchronize()
     assert rel_err(o, ref_o) <= TOL[torch.bfloat16]
     assert rel_err(pool, ref_pool) <= TOL[torch.float32]
+
+
+# (pool dtype, layout): sequences N, value heads HV, pool slots
+SLOT_ORDER_CASES = {
+    (torch.float32, "spread"): (200, 1, 8200),
+    (torch.float32, "crowded"): (200, 1, 8200),
+    (torch.float32, "many_sequences"): (1100, 1, 8200),
+    # decode_stream_tc.cuh sorts from 16 rounds of its grid on: 40960 units, 16 rounds of 132 SMs
+    (torch.bfloat16, "spread"): (1024, 20, 1088),
+}
+
+
+@pytest.mark.parametrize("pool_dtype,layout", list(SLOT_ORDER_CASES), ids=lambda x: str(x).replace("torch.", ""))
+def test_slot_order_wide_span(pool_dtype, layout):
+    """The persistent decode kernels take their sequences in slot order (csrc/flashkda/slot_order.cuh),
+    sorted by every block alike. Slots spread over a span wider than the sort's 1024 ranges
+    ("spread": ranges shared by several sequences), nine sequences in one range ("crowded": the
+    launch keeps index order), and more sequences than the sort takes ("many_sequences"); padding
+    in each. Against the sm_80 family, with the output poisoned and untouched slots compared bit
+    for bit. Sizes give the kernels more work units than the rounds from which they sort."""
+    D = 128
+    N, HV, slots = SLOT_ORDER_CASES[(pool_dtype, layout)]
+    token_dtype = torch.float32 if pool_dtype == torch.float32 else torch.bfloat16
+    kw = make_inputs(B=N, T=1, H=1, HV=HV, D=D, dtype=token_dtype, device="cuda", state=False, state_v_first=True)
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
+    idx[5::17] = -1
+    if layout == "crowded":  # slots 0..8 and 8199: the first of 1024 ranges of [0, 8199] holds nine
+        live = torch.nonzero(idx >= 0).flatten()
+        fill = torch.randperm(slots - 17, device="cuda")[: live.numel()].to(torch.int32) + 16
+        fill[:9] = torch.arange(9, device="cuda", dtype=torch.int32)
+        fill[9] = slots - 1
+        idx[live] = fill
+    pool0 = (0.1 * torch.randn(slots, HV, D, D, device="cuda")).to(pool_dtype)
+    results = {}
+    for family in ("sm80", "sm90"):
+        pool = pool0.clone()
+        out = torch.full_like(kw["v"], float("nan"))
+        with kernel_family(family):
+            flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx, out=out)
+        results[family] = (out, pool)
+    torch.cuda.synchronize()
+    named = torch.zeros(slots, dtype=torch.bool, device="cuda")
+    named[idx[idx >= 0].long()] = True
+    (o80, p80), (o90, p90) = results["sm80"], results["sm90"]
+    assert not torch.isnan(o90).any(), "an output row was not written"
+    assert torch.equal(p90[~named], pool0[~named]), "a slot not named was touched"
+    assert torch.count_nonzero(o90[idx < 0]) == 0, "padding output is not zero"
+    tol = 1e-6 if pool_dtype == torch.float32 else 4e-3
+    assert rel_err(o90, o80) <= tol and rel_err(p90[named], p80[named]) <= tol

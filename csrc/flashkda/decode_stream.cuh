@@ -34,6 +34,7 @@
 #include "api.h"
 #include "recurrent_common.cuh"
 #include "recurrent_params.h"
+#include "slot_order.cuh"
 #include "token_math.cuh"
 
 namespace flashkda {
@@ -95,13 +96,15 @@ struct Item {
   bool skip;       // padding sequence: zero output, no state traffic
 };
 
-// Item number -> item, for items of kRows value rows (value block fastest).
+// Item number -> item, for items of kRows value rows (value block fastest, then value head, then
+// sequence position). Positions from `first` on hold the sequences in `order` (slot_order.cuh).
 template <int kRows = kItemRows>
-__device__ __forceinline__ Item resolve_item(const RecurrentParams& p, uint32_t item) {
+__device__ __forceinline__ Item resolve_item(const RecurrentParams& p, uint32_t item, const uint16_t* order = nullptr,
+                                             int first = recurrent::kUnordered) {
   constexpr int kBlocks = D / kRows;
   const int vblock = int(item % kBlocks);
   const uint32_t rest = item / kBlocks;
-  const int n = int(rest / uint32_t(p.HV));
+  const int n = recurrent::sequence_at(int(rest / uint32_t(p.HV)), order, first);
   const recurrent::Sequence seq = recurrent::resolve_sequence(p, n);
   int64_t write_slot = recurrent::final_slot(p, n, seq);
   // A zero-length sequence passes its state through: nothing moves when it stays in place.
@@ -294,9 +297,15 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   float* state_out = static_cast<float*>(p.state_out);
 
   uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32;
-  if (item >= num_items) return;
-  Item cur = resolve_item(p, item), next{};
-  if (item + stride < num_items) next = resolve_item(p, item + stride);
+  if (item >= num_items) return;  // never when the block sorts (orders_by_slot)
+  // The later rounds take their sequences in slot order (slot_order.cuh); the sort's index loads go
+  // out with the first item's, and the sort runs while that item's state loads are in flight.
+  __shared__ recurrent::SlotOrder slot_order;
+  const bool ordered = recurrent::orders_by_slot(p, num_items, stride);
+  int first = ordered ? recurrent::first_sorted_position(stride, uint32_t(p.HV) * kBlocksV) : recurrent::kUnordered;
+  recurrent::SlotsOfThread<kWarps * 32> slots;
+  if (ordered) slots = recurrent::begin_slot_order<kWarps * 32>(p, first, slot_order);
+  Item cur = resolve_item(p, item), next{};  // the first round keeps index order
   static_assert(kPrefetch >= 0 && kPrefetch <= 3, "prefetch distance: 0, 1 or 2 strides; 3: 1 with evict-last");
   static_assert(kItemRows * D * sizeof(float) == 32 * 128, "an item is one 128-byte line per lane");
   // Line `lane` of an item's state in its read slot, or null when it has none.
@@ -306,10 +315,6 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
                              : nullptr;
   };
   const float* ahead = nullptr;  // kPrefetch == 2: the line of the item two strides ahead
-  if constexpr (kPrefetch == 2) {
-    if (item + stride < num_items && next.read_slot >= 0) prefetch_l2(item_line(next));
-    if (item + 2 * stride < num_items) ahead = item_line(resolve_item(p, item + 2 * stride));
-  }
 
   // This lane's 16 bytes of row j of an item's state.
   auto offset = [&](const Item& it, int slot, int j) {
@@ -332,6 +337,13 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     if (!it.skip && it.len > 0) tok = load_token<Elem>(p, it, it.bos, lane), v = load_v<Elem>(p, it, it.bos, sum_row(lane));
   };
   load_item(cur);
+  if (ordered && !recurrent::finish_slot_order<kWarps * 32>(p, first, slots, slot_order)) first = recurrent::kUnordered;
+  const uint16_t* order = slot_order.seq;
+  if (item + stride < num_items) next = resolve_item(p, item + stride, order, first);
+  if constexpr (kPrefetch == 2) {
+    if (item + stride < num_items && next.read_slot >= 0) prefetch_l2(item_line(next));
+    if (item + 2 * stride < num_items) ahead = item_line(resolve_item(p, item + 2 * stride, order, first));
+  }
 
   const bool writer = writes_output(lane);
   while (true) {
@@ -367,8 +379,9 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     // The item's loads first, then the next item's slot (index loads and a division by HV that
     // would otherwise stand between the stores above and these loads).
     load_item(cur);
-    if (item + stride < num_items) next = resolve_item(p, item + stride);
-    if constexpr (kPrefetch == 2) ahead = item + 2 * stride < num_items ? item_line(resolve_item(p, item + 2 * stride)) : nullptr;
+    if (item + stride < num_items) next = resolve_item(p, item + stride, order, first);
+    if constexpr (kPrefetch == 2)
+      ahead = item + 2 * stride < num_items ? item_line(resolve_item(p, item + 2 * stride, order, first)) : nullptr;
   }
 }
 

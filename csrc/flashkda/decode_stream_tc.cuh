@@ -61,6 +61,12 @@ constexpr int kStages = 2;  // tiles per warp
 // 0.1497 / 0.5840, 4 0.0415 / 0.1486 / 0.5836, 8 0.0400 / 0.1535 / 0.5841.
 constexpr int kItemsPerUnit = 4;
 static_assert(D == 128 && kBlocksV % kItemsPerUnit == 0, "16-row items, units within one head");
+// Rounds of the grid from which on the blocks sort the slots (slot_order.cuh). The sort is not hidden
+// as well as in decode_stream.cuh, and the first round (index order) is a larger part of the work:
+// measured on the H200 (bench/test_decode.py), slot order took the bf16 pool from 0.5786 to 0.5716-
+// 0.5731 ms at N = 1024 (31 rounds) but from 0.1511 to 0.1520 at N = 256 (7.8) and from 0.0420 to
+// 0.0426-0.0430 at N = 64 (1.9).
+constexpr uint32_t kMinOrderedRounds = 16;
 
 using bf16 = __nv_bfloat16;
 
@@ -74,8 +80,9 @@ struct Item {
   bool skip;       // padding sequence: zero output, no state traffic
 };
 
-__device__ __forceinline__ Item resolve(const RecurrentParams& p, uint32_t item) {
-  const decode_stream::Item it = decode_stream::resolve_item<kRows>(p, item);
+__device__ __forceinline__ Item resolve(const RecurrentParams& p, uint32_t item, const uint16_t* order = nullptr,
+                                       int first = recurrent::kUnordered) {
+  const decode_stream::Item it = decode_stream::resolve_item<kRows>(p, item, order, first);
   return Item{it.batch, it.read_slot, it.write_slot, it.hv, it.v0, it.skip};
 }
 
@@ -158,7 +165,10 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
 #endif
 }
 
-static_assert(kWarps * (kStages * sizeof(Tile) + sizeof(Scratch)) <= 48 * 1024, "static shared memory");
+// The slot order (slot_order.cuh) only on sm_90+: without it an A100's 164 KB per SM hold exactly
+// kBlocksPerSm of these blocks.
+static_assert(kWarps * (kStages * sizeof(Tile) + sizeof(Scratch)) + sizeof(recurrent::SlotOrder) <= 48 * 1024,
+              "static shared memory");
 
 // kWordStores: the updated fragments reach the tile by 32-bit stores, as below sm_90, instead of
 // stmatrix (for checking that path on an sm_90 device).
@@ -181,10 +191,22 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   bf16* state_out = static_cast<bf16*>(p.state_out);
 
   uint32_t unit = blockIdx.x * kWarps + warp;
-  if (unit >= num_units) return;
-  Item cur = resolve(p, unit * kItemsPerUnit), next{};
+  if (unit >= num_units) return;  // never when the block sorts (orders_by_slot)
+  // The later rounds take their sequences in slot order (slot_order.cuh; sm_90+, see the shared
+  // memory above); the sort's index loads go out with the first unit's, and the sort runs in the
+  // first iteration, while the copies of the first two items are in flight.
+  const uint16_t* order = nullptr;
+  int first = recurrent::kUnordered;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __shared__ recurrent::SlotOrder slot_order;
+  order = slot_order.seq;
+  const bool ordered = recurrent::orders_by_slot(p, num_units, stride, kMinOrderedRounds);
+  if (ordered) first = recurrent::first_sorted_position(stride, uint32_t(p.HV) * (kBlocksV / kItemsPerUnit));
+  recurrent::SlotsOfThread<kWarps * 32> slots;
+  if (ordered) slots = recurrent::begin_slot_order<kWarps * 32>(p, first, slot_order);
+#endif
+  Item cur = resolve(p, unit * kItemsPerUnit), next{};  // the first round keeps index order
   bool has_next = unit + stride < num_units;
-  if (has_next) next = resolve(p, (unit + stride) * kItemsPerUnit);
   int m = 0, b = 0;  // item within the unit, tile of the current item
 
   auto item_offset = [&](const Item& it, int slot) {
@@ -223,6 +245,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   load_state(cur, tiles[warp][0]);
   if (!cur.skip) tok = decode_stream::load_token<Elem>(p, as_stream_item(cur), 0, lane);
   load_v(cur);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (ordered && !recurrent::finish_slot_order<kWarps * 32>(p, first, slots, slot_order)) first = recurrent::kUnordered;
+#endif
+  if (has_next) next = resolve(p, (unit + stride) * kItemsPerUnit, order, first);
 
   uint32_t B[8][2];
   uint32_t A[8][4];
@@ -308,7 +334,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     if (cur.skip && !next.skip) tok = decode_stream::load_token<Elem>(p, as_stream_item(next), 0, lane);
     cur = next;
     has_next = unit + stride < num_units;
-    if (has_next) next = resolve(p, (unit + stride) * kItemsPerUnit);
+    if (has_next) next = resolve(p, (unit + stride) * kItemsPerUnit, order, first);
   }
   sm80::cp_async_wait<0>();
 }
