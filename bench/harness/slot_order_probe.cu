@@ -82,7 +82,7 @@ __global__ void sort_slots(const flashkda::RecurrentParams p, int first, uint16_
   namespace r = flashkda::recurrent;
   __shared__ r::SlotOrder o;
   const r::SlotsOfThread<kThreads> s = r::begin_slot_order<kThreads>(p, first, o);
-  const bool done = r::finish_slot_order<kThreads>(p, first, s, o);
+  const bool done = r::finish_slot_order<kThreads>(p, first, r::settle_slot_order<kThreads>(p, first, s, o), o);
   if (threadIdx.x == 0) sorted[blockIdx.x] = done;
   if (done)
     for (int i = threadIdx.x; i < p.N - first; i += kThreads) order[blockIdx.x * r::kMaxOrderedSeqs + i] = o.seq[i];

@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 
   uint32_t item = blockIdx.x * kWarps + threadIdx.x / 32;
   if (item >= num_items) return;  // never when the block sorts (orders_by_slot)
-  // The later rounds take their sequences in slot order (slot_order.cuh); the sort's index loads go
+  // The later rounds take their sequences in slot order (slot_order.cuh): the sort's index loads go
   // out with the first item's, and the sort runs while that item's state loads are in flight.
   __shared__ recurrent::SlotOrder slot_order;
   const bool ordered = recurrent::orders_by_slot(p, num_items, stride);
@@ -306,6 +306,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   recurrent::SlotsOfThread<kWarps * 32> slots;
   if (ordered) slots = recurrent::begin_slot_order<kWarps * 32>(p, first, slot_order);
   Item cur = resolve_item(p, item), next{};  // the first round keeps index order
+  recurrent::SettledSlots<kWarps * 32> settled;
+  if (ordered) settled = recurrent::settle_slot_order<kWarps * 32>(p, first, slots, slot_order);
   static_assert(kPrefetch >= 0 && kPrefetch <= 3, "prefetch distance: 0, 1 or 2 strides; 3: 1 with evict-last");
   static_assert(kItemRows * D * sizeof(float) == 32 * 128, "an item is one 128-byte line per lane");
   // Line `lane` of an item's state in its read slot, or null when it has none.
@@ -337,7 +339,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     if (!it.skip && it.len > 0) tok = load_token<Elem>(p, it, it.bos, lane), v = load_v<Elem>(p, it, it.bos, sum_row(lane));
   };
   load_item(cur);
-  if (ordered && !recurrent::finish_slot_order<kWarps * 32>(p, first, slots, slot_order)) first = recurrent::kUnordered;
+  if (ordered && !recurrent::finish_slot_order<kWarps * 32>(p, first, settled, slot_order)) first = recurrent::kUnordered;
   const uint16_t* order = slot_order.seq;
   if (item + stride < num_items) next = resolve_item(p, item + stride, order, first);
   if constexpr (kPrefetch == 2) {

@@ -206,6 +206,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   if (ordered) slots = recurrent::begin_slot_order<kWarps * 32>(p, first, slot_order);
 #endif
   Item cur = resolve(p, unit * kItemsPerUnit), next{};  // the first round keeps index order
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  recurrent::SettledSlots<kWarps * 32> settled;
+  if (ordered) settled = recurrent::settle_slot_order<kWarps * 32>(p, first, slots, slot_order);
+#endif
   bool has_next = unit + stride < num_units;
   int m = 0, b = 0;  // item within the unit, tile of the current item
 
@@ -246,7 +250,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   if (!cur.skip) tok = decode_stream::load_token<Elem>(p, as_stream_item(cur), 0, lane);
   load_v(cur);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (ordered && !recurrent::finish_slot_order<kWarps * 32>(p, first, slots, slot_order)) first = recurrent::kUnordered;
+  if (ordered && !recurrent::finish_slot_order<kWarps * 32>(p, first, settled, slot_order)) first = recurrent::kUnordered;
 #endif
   if (has_next) next = resolve(p, (unit + stride) * kItemsPerUnit, order, first);
 

@@ -21,8 +21,9 @@
 //
 // The sort takes 1.2-1.5 us, about the gain at N = 256, when it stands before the first loads
 // (measured), so the grid's first round of work units keeps index order and is issued before the
-// sort, whose index loads go out with the first unit's (begin_slot_order) and whose work runs
-// while that unit's state loads are in flight (finish_slot_order).
+// sort: its index loads go out with the first unit's (begin_slot_order), they are waited for with
+// the first unit's slot (settle_slot_order), and the rest runs while that unit's state loads are in
+// flight (finish_slot_order).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -74,12 +75,21 @@ __device__ __forceinline__ int sequence_at(int position, const uint16_t* seq, in
   return position >= first ? int(seq[position - first]) : position;
 }
 
-// The slots of a thread's sequences: sequence first + threadIdx.x + j kThreads in column j.
+// The slot indices of a thread's sequences, sequence first + threadIdx.x + j kThreads in column j,
+// as loaded: raw bits, so that nothing waits for the loads before finish_slot_order (a sign
+// extension right after each load would make them one latency after another).
 template <int kThreads>
 struct SlotsOfThread {
   static constexpr int kSeqs = (kMaxOrderedSeqs + kThreads - 1) / kThreads;
   static constexpr int kPadding = -1, kNone = -2;  // a padding sequence, past the last sequence
-  int slot[kSeqs];  // the kernels' callers keep num_slots below 2^31
+  uint32_t lo[kSeqs], hi[kSeqs];                   // hi: int64 indices only
+
+  // Column j's slot (the kernels' callers keep num_slots below 2^31), kPadding or kNone.
+  __device__ __forceinline__ int slot(const RecurrentParams& p, int first, int j) const {
+    if (first + int(threadIdx.x) + j * kThreads >= p.N) return kNone;
+    const int64_t s = p.idx_type == IndexType::kInt64 ? int64_t(uint64_t(hi[j]) << 32 | lo[j]) : int64_t(int32_t(lo[j]));
+    return slot_ok(p, s) ? int(s) : kPadding;
+  }
 };
 
 // Issues the index loads of the sort and clears its counts.
@@ -90,16 +100,20 @@ __device__ __forceinline__ SlotsOfThread<kThreads> begin_slot_order(const Recurr
   static_assert(Slots::kSeqs * (kThreads / 32) <= 32, "SlotOrder::padding: one entry per (column, warp)");
   constexpr int kRanges = kSlotRanges / kThreads;
   Slots s;
-  int64_t raw[Slots::kSeqs];
+  const bool wide = p.idx_type == IndexType::kInt64;
 #pragma unroll
   for (int j = 0; j < Slots::kSeqs; ++j) {
     const int n = first + int(threadIdx.x) + j * kThreads;
-    raw[j] = n < p.N ? load_index(p.slot_indices, p.idx_type, int64_t(n) * p.idx_row_stride) : -1;
-  }
-#pragma unroll
-  for (int j = 0; j < Slots::kSeqs; ++j) {
-    const bool past = first + int(threadIdx.x) + j * kThreads >= p.N;
-    s.slot[j] = past ? Slots::kNone : slot_ok(p, raw[j]) ? int(raw[j]) : Slots::kPadding;
+    s.lo[j] = s.hi[j] = 0u;
+    if (n < p.N) {
+      const int64_t i = int64_t(n) * p.idx_row_stride;
+      if (wide) {
+        const uint2 w = static_cast<const uint2*>(p.slot_indices)[i];
+        s.lo[j] = w.x, s.hi[j] = w.y;
+      } else {
+        s.lo[j] = static_cast<const uint32_t*>(p.slot_indices)[i];
+      }
+    }
   }
 #pragma unroll
   for (int i = 0; i < kRanges; ++i) o.start[threadIdx.x * kRanges + i] = 0;
@@ -107,18 +121,23 @@ __device__ __forceinline__ SlotsOfThread<kThreads> begin_slot_order(const Recurr
   return s;
 }
 
-// Fills o.seq[0 .. N - first) with the sequences first .. N - 1 in slot order; false (and no order)
-// when a range is crowded. Every thread of the block takes part; ends with a barrier.
+// The slots as numbers, each warp's span of them and its padding sequences per column in shared
+// memory; ends with a barrier. Waits for begin_slot_order's loads: called before the kernel's first
+// state loads, so that it does not wait for those.
 template <int kThreads>
-__device__ __forceinline__ bool finish_slot_order(const RecurrentParams& p, int first, const SlotsOfThread<kThreads>& s,
-                                                  SlotOrder& o) {
+struct SettledSlots {
+  int slot[SlotsOfThread<kThreads>::kSeqs];  // as SlotsOfThread::slot()
+};
+
+template <int kThreads>
+__device__ __forceinline__ SettledSlots<kThreads> settle_slot_order(const RecurrentParams& p, int first,
+                                                                    const SlotsOfThread<kThreads>& raw, SlotOrder& o) {
   using Slots = SlotsOfThread<kThreads>;
   constexpr int kSeqs = Slots::kSeqs, kWarps = kThreads / 32;
-  constexpr int kRanges = kSlotRanges / kThreads;  // consecutive ranges per thread in the scan
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const uint32_t lanes_below = (1u << lane) - 1u;
-
-  // The span of the valid slots, and the padding sequences per (column, warp).
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  SettledSlots<kThreads> s;
+#pragma unroll
+  for (int j = 0; j < kSeqs; ++j) s.slot[j] = raw.slot(p, first, j);
   int lo = INT_MAX, hi = -1;
 #pragma unroll
   for (int j = 0; j < kSeqs; ++j)
@@ -135,6 +154,22 @@ __device__ __forceinline__ bool finish_slot_order(const RecurrentParams& p, int 
     if (lane == 0) o.padding[j * kWarps + warp] = pads;
   }
   __syncthreads();  // also: the counts are cleared (begin_slot_order)
+  return s;
+}
+
+// Fills o.seq[0 .. N - first) with the sequences first .. N - 1 in slot order; false (and no order)
+// when a range is crowded. Every thread of the block takes part; ends with a barrier.
+template <int kThreads>
+__device__ __forceinline__ bool finish_slot_order(const RecurrentParams& p, int first, const SettledSlots<kThreads>& settled,
+                                                  SlotOrder& o) {
+  using Slots = SlotsOfThread<kThreads>;
+  constexpr int kSeqs = Slots::kSeqs, kWarps = kThreads / 32;
+  constexpr int kRanges = kSlotRanges / kThreads;  // consecutive ranges per thread in the scan
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  const int* slot = settled.slot;
+  // The span of the valid slots.
+  int lo = INT_MAX, hi = -1;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) lo = min(lo, o.warp_min[w]), hi = max(hi, o.warp_max[w]);
   // Padding first, in index order (column-major over the block): position = the padding sequences
@@ -152,10 +187,10 @@ __device__ __forceinline__ bool finish_slot_order(const RecurrentParams& p, int 
 #pragma unroll
   for (int j = 0; j < kSeqs; ++j) {
     const int n = first + tid + j * kThreads;
-    const uint32_t pads = __ballot_sync(0xffffffffu, s.slot[j] == Slots::kPadding);
-    if (s.slot[j] == Slots::kPadding) o.seq[pad_before[j] + __popc(pads & lanes_below)] = uint16_t(n);
-    if (s.slot[j] >= 0) {
-      const int range = min(int(float(s.slot[j] - lo) * per_range), kSlotRanges - 1);
+    const uint32_t pads = __ballot_sync(0xffffffffu, slot[j] == Slots::kPadding);
+    if (slot[j] == Slots::kPadding) o.seq[pad_before[j] + __popc(pads & lanes_below)] = uint16_t(n);
+    if (slot[j] >= 0) {
+      const int range = min(int(float(slot[j] - lo) * per_range), kSlotRanges - 1);
       where[j] = uint32_t(range) << 16 | uint32_t(atomicAdd(&o.start[range], 1));
     }
   }
@@ -185,7 +220,7 @@ __device__ __forceinline__ bool finish_slot_order(const RecurrentParams& p, int 
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < kSeqs; ++j)
-    if (s.slot[j] >= 0) o.seq[o.start[where[j] >> 16] + (where[j] & 0xffffu)] = uint16_t(first + tid + j * kThreads);
+    if (slot[j] >= 0) o.seq[o.start[where[j] >> 16] + (where[j] & 0xffffu)] = uint16_t(first + tid + j * kThreads);
   __syncthreads();
   if (!o.shared) return true;  // the same in every thread, as o.crowded
   // Each range's sequences in index order (insertion sort; at most kMaxPerRange).
