@@ -76,7 +76,7 @@ __device__ __forceinline__ int sequence_at(int position, const uint16_t* seq, in
 }
 
 // The slot indices of a thread's sequences, sequence first + threadIdx.x + j kThreads in column j,
-// as loaded: raw bits, so that nothing waits for the loads before finish_slot_order (a sign
+// as loaded: raw bits, so that nothing waits for the loads before settle_slot_order (a sign
 // extension right after each load would make them one latency after another).
 template <int kThreads>
 struct SlotsOfThread {
