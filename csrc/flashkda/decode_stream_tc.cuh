@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   uint32_t unit = blockIdx.x * kWarps + warp;
   if (unit >= num_units) return;  // never when the block sorts (orders_by_slot)
   // The later rounds take their sequences in slot order (slot_order.cuh; sm_90+, see the shared
-  // memory above); the sort's index loads go out with the first unit's, and the sort runs in the
-  // first iteration, while the copies of the first two items are in flight.
+  // memory above): the sort's index loads go out with the first unit's, and the sort runs once the
+  // first item's copy and token loads are issued.
   const uint16_t* order = nullptr;
   int first = recurrent::kUnordered;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
