@@ -43,21 +43,11 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
       varlen_bounds(p, n, bos, len);
       x = int(num_chunks(len));
     }
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, off);
-      if (lane >= off) x += y;
-    }
+    x = warp_inclusive_sum(x, lane);
     if (lane == 31) warp_total[warp] = x;
     __syncthreads();
     if (warp == 0) {
-      int t = warp_total[lane];
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, t, off);
-        if (lane >= off) t += y;
-      }
-      warp_total[lane] = t;  // inclusive
+      warp_total[lane] = warp_inclusive_sum(warp_total[lane], lane);
     }
     __syncthreads();
     const int value = carry + x + (warp > 0 ? warp_total[warp - 1] : 0);

@@ -203,12 +203,7 @@ __device__ __forceinline__ bool finish_slot_order(const RecurrentParams& p, int 
     if (count[i] > 1) o.shared = 1;
     if (count[i] > kMaxPerRange) o.crowded = 1;
   }
-  int incl = sum;
-#pragma unroll
-  for (int m = 1; m < 32; m *= 2) {
-    const int x = __shfl_up_sync(0xffffffffu, incl, m);
-    if (lane >= m) incl += x;
-  }
+  const int incl = warp_inclusive_sum(sum, lane);
   if (lane == 31) o.warp_total[warp] = incl;
   __syncthreads();
   if (o.crowded) return false;  // the same in every thread: written before the barrier above

@@ -69,6 +69,16 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// Inclusive prefix sum over the lanes of a warp (all 32 lanes take part).
+__device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  return x;
+}
+
 // The q / k head that value head hv reads (GVA: HV / H consecutive value heads share one). With
 // HV == H, the usual case, it skips the two integer divisions (about 25 instructions each).
 template <class Params>
