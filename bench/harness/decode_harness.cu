@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
     constexpr bool kFp32 = sizeof(StateT) == 4;
     const uint32_t units = kFp32 ? uint32_t(int64_t(N) * p.HV * flashkda::decode_stream::kBlocksV)
                                  : uint32_t(int64_t(N) * p.HV * (flashkda::decode_stream_tc::kBlocksV /
-                                                                 flashkda::decode_stream_tc::kItemsPerUnit));
+                                                                 flashkda::decode_stream_tc::kLargeUnit));
     const int warps = kFp32 ? flashkda::decode_stream::kWarps : flashkda::decode_stream_tc::kWarps;
     for (const char* s = argv[3]; *s;) {
       char* end = nullptr;

@@ -57,15 +57,22 @@ constexpr int kBlocksV = D / kRows;
 constexpr int kWarps = 4;
 constexpr int kBlocksPerSm = 4;
 constexpr int kStages = 2;  // tiles per warp
-// Items per unit (one token preparation). Measured on the H200 (same harness and sizes): 2 0.0430 /
-// 0.1497 / 0.5840, 4 0.0415 / 0.1486 / 0.5836, 8 0.0400 / 0.1535 / 0.5841.
-constexpr int kItemsPerUnit = 4;
-static_assert(D == 128 && kBlocksV % kItemsPerUnit == 0, "16-row items, units within one head");
-// Rounds of the grid from which on the blocks sort the slots (slot_order.cuh). The sort is not hidden
-// as well as in decode_stream.cuh, and the first round (index order) is a larger part of the work:
-// measured on the H200 (bench/test_decode.py), slot order took the bf16 pool from 0.5786 to 0.5716-
-// 0.5731 ms at N = 1024 (31 rounds) but from 0.1511 to 0.1520 at N = 256 (7.8) and from 0.0420 to
-// 0.0426-0.0430 at N = 64 (1.9).
+// Items per unit (one token preparation, a template parameter of the kernel): large units while the
+// grid takes few rounds of them, small ones from kSmallUnitRounds rounds of large units on (many
+// sequences). Measured on the H200 (bench/test_decode.py, N = 64 / 256 / 1024, two runs, ms): 4
+// items 0.0414-0.0416 / 0.1502 / 0.5719-0.5722, 2 items 0.0425-0.0429 / 0.1486-0.1488 /
+// 0.5683-0.5688. Earlier, with a costlier token preparation (decode_harness.cu): 2 0.0430 / 0.1497 /
+// 0.5840, 4 0.0415 / 0.1486 / 0.5836, 8 0.0400 / 0.1535 / 0.5841.
+// (The crossing lies between 1.9 and 7.8 rounds of large units, where it was not measured.)
+constexpr int kLargeUnit = 4, kSmallUnit = 2;
+constexpr uint32_t kSmallUnitRounds = 4;
+static_assert(D == 128 && kBlocksV % kLargeUnit == 0 && kLargeUnit % kSmallUnit == 0 && kSmallUnit % 2 == 0,
+              "16-row items, units within one head, an even number of items per unit");
+// Rounds of the grid (of large units) from which on the blocks sort the slots (slot_order.cuh). The
+// sort is not hidden as well as in decode_stream.cuh, and the first round (index order) is a larger
+// part of the work: measured on the H200 (bench/test_decode.py), slot order took the bf16 pool from
+// 0.5786 to 0.5716-0.5731 ms at N = 1024 (31 rounds) but from 0.1511 to 0.1520 at N = 256 (7.8) and
+// from 0.0420 to 0.0426-0.0430 at N = 64 (1.9).
 constexpr uint32_t kMinOrderedRounds = 16;
 
 using bf16 = __nv_bfloat16;
@@ -171,11 +178,11 @@ static_assert(kWarps * (kStages * sizeof(Tile) + sizeof(Scratch)) + sizeof(recur
               "static shared memory");
 
 // kWordStores: the updated fragments reach the tile by 32-bit stores, as below sm_90, instead of
-// stmatrix (for checking that path on an sm_90 device).
-template <typename Elem, bool kWordStores = false>
+// stmatrix (for checking that path on an sm_90 device). kItemsPerUnit: kLargeUnit or kSmallUnit.
+template <typename Elem, bool kWordStores = false, int kItemsPerUnit = kLargeUnit>
 __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream_tc(const RecurrentParams p, const uint32_t num_units) {
-  static_assert(kStages == 2, "one item ahead");
+  static_assert(kStages == 2 && kItemsPerUnit % 2 == 0, "one item ahead; a unit's tiles alternate");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kMatrixStores = !kWordStores;
 #else
@@ -200,7 +207,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __shared__ recurrent::SlotOrder slot_order;
   order = slot_order.seq;
-  const bool ordered = recurrent::orders_by_slot(p, num_units, stride, kMinOrderedRounds);
+  const bool ordered =
+      recurrent::orders_by_slot(p, num_units, stride, kMinOrderedRounds * (kLargeUnit / kItemsPerUnit));
   if (ordered) first = recurrent::first_sorted_position(stride, uint32_t(p.HV) * (kBlocksV / kItemsPerUnit));
   recurrent::SlotsOfThread<kWarps * 32> slots;
   if (ordered) slots = recurrent::begin_slot_order<kWarps * 32>(p, first, slot_order);
@@ -293,6 +301,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
       if (t4 == 0) o[0] = from_float<Elem>(sums[1] + u0 * t.kq), o[8] = from_float<Elem>(sums[3] + u1 * t.kq);
       u0 = __shfl_sync(0xffffffffu, u0, lane & ~3);
       u1 = __shfl_sync(0xffffffffu, u1, lane & ~3);
+      const bool writes = cur.write_slot >= 0;
 #pragma unroll
       for (int s = 0; s < 8; ++s) {
         const float4 d = *reinterpret_cast<const float4*>(sc.d + 16 * s + 4 * t4);
@@ -307,19 +316,19 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
           sm80::unpack2_bf16(A[s][w], x0, x1);
           A[s][w] = sm80::pack2<bf16>(x0 * d0 + k0 * u, x1 * d1 + k1 * u);
         }
-      }
-      if (cur.write_slot >= 0) {
-        __syncwarp();  // every lane's ldmatrix reads are done
-        if constexpr (kMatrixStores) {
-#pragma unroll
-          for (int s = 0; s < 8; ++s) stmatrix_x4(sm80::smem_u32(&tile.at(mrow, 2 * s + mchunk)), A[s]);
-        } else {
-#pragma unroll
-          for (int s = 0; s < 8; ++s)
+        // Back into the tile at once (the ldmatrix reads of the whole warp are done: the MMAs used
+        // them): the updated words leave the registers where the item's register use peaks.
+        if (writes) {
+          if constexpr (kMatrixStores) {
+            stmatrix_x4(sm80::smem_u32(&tile.at(mrow, 2 * s + mchunk)), A[s]);
+          } else {
 #pragma unroll
             for (int w = 0; w < 4; ++w)
               reinterpret_cast<uint32_t*>(&tile.at(g + 8 * (w & 1), 2 * s + (w >> 1)))[t4] = A[s][w];
+          }
         }
+      }
+      if (writes) {
         __syncwarp();
         uint4* dst = reinterpret_cast<uint4*>(state_out + item_offset(cur, cur.write_slot));
 #pragma unroll
@@ -356,8 +365,14 @@ template <typename Elem, bool kWordStores = false>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
   if (!covers<Elem>(p)) return cudaSuccess;
-  const uint32_t num_units = uint32_t(int64_t(p.N) * p.HV * (kBlocksV / kItemsPerUnit));
-  return recurrent::launch_persistent<decode_step_stream_tc<Elem, kWordStores>>(p, kWarps, num_units, stream, launched);
+  const int64_t items = int64_t(p.N) * p.HV * kBlocksV;
+  // Rounds of large units the grid would take, with every block of a full device resident.
+  const int64_t grid_warps = int64_t(std::max(p.num_sms, 1)) * kBlocksPerSm * kWarps;
+  if (items / kLargeUnit < int64_t(kSmallUnitRounds) * grid_warps)
+    return recurrent::launch_persistent<decode_step_stream_tc<Elem, kWordStores, kLargeUnit>>(
+        p, kWarps, uint32_t(items / kLargeUnit), stream, launched);
+  return recurrent::launch_persistent<decode_step_stream_tc<Elem, kWordStores, kSmallUnit>>(
+      p, kWarps, uint32_t(items / kSmallUnit), stream, launched);
 }
 
 }  // namespace decode_stream_tc
