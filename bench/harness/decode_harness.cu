@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
                 "| vs bulk: rel diff o %.1e, state %.1e\n",
                 N, c.T, ms_stream, ms_prefetch[0], ms_prefetch[1], ms_prefetch[2], 100.0 * floor_ms / ms_prefetch[2], o_diff,
                 s_diff);
-  // argv[3] (optional): comma-separated block counts for the streaming kernel as the library runs it,
+  // argv[3] (optional): comma-separated block counts for the streaming kernel as the library runs it
+  // (bf16: with 4-item units, which the library takes only below 4 grid rounds of them),
   // e.g. 264,256,248: whether a grid whose warps divide the work units evenly (no partial last round)
   // is faster.
   if (argc > 3 && stream_launched) {
