@@ -118,9 +118,10 @@ int main(int argc, char** argv) {
   // is faster.
   if (argc > 3 && stream_launched) {
     constexpr bool kFp32 = sizeof(StateT) == 4;
+    namespace tc = flashkda::decode_stream_tc;
+    const int tc_unit = tc::items_per_unit(p);  // the library's choice
     const uint32_t units = kFp32 ? uint32_t(int64_t(N) * p.HV * flashkda::decode_stream::kBlocksV)
-                                 : uint32_t(int64_t(N) * p.HV * (flashkda::decode_stream_tc::kBlocksV /
-                                                                 flashkda::decode_stream_tc::kLargeUnit));
+                                 : uint32_t(int64_t(N) * p.HV * (tc::kBlocksV / tc_unit));
     const int warps = kFp32 ? flashkda::decode_stream::kWarps : flashkda::decode_stream_tc::kWarps;
     for (const char* s = argv[3]; *s;) {
       char* end = nullptr;
@@ -130,8 +131,10 @@ int main(int argc, char** argv) {
       const float t = median_ms([&] {
         if constexpr (kFp32)
           flashkda::decode_stream::decode_step_stream<bf16, 1><<<grid, warps * 32>>>(p, units);
+        else if (tc_unit == tc::kLargeUnit)
+          tc::decode_step_stream_tc<bf16, false, tc::kLargeUnit><<<grid, warps * 32>>>(p, units);
         else
-          flashkda::decode_stream_tc::decode_step_stream_tc<bf16><<<grid, warps * 32>>>(p, units);
+          tc::decode_step_stream_tc<bf16, false, tc::kSmallUnit><<<grid, warps * 32>>>(p, units);
       }, 100);
       CHECK(cudaGetLastError());
       std::printf("  grid %4u blocks (%.2f rounds of work units): %.4f ms\n", grid, double(units) / (grid * warps), t);

@@ -361,14 +361,20 @@ bool covers(const RecurrentParams& p) {
          p.num_slots < (int64_t(1) << 31) && recurrent::token_rows_aligned16<Elem>(p);
 }
 
+// Items per unit for a call: kLargeUnit while the grid would take fewer than kSmallUnitRounds rounds
+// of them (every block of the device resident), else kSmallUnit.
+inline int items_per_unit(const RecurrentParams& p) {
+  const int64_t large_units = int64_t(p.N) * p.HV * (kBlocksV / kLargeUnit);
+  const int64_t grid_warps = int64_t(std::max(p.num_sms, 1)) * kBlocksPerSm * kWarps;
+  return large_units < int64_t(kSmallUnitRounds) * grid_warps ? kLargeUnit : kSmallUnit;
+}
+
 template <typename Elem, bool kWordStores = false>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
   if (!covers<Elem>(p)) return cudaSuccess;
   const int64_t items = int64_t(p.N) * p.HV * kBlocksV;
-  // Rounds of large units the grid would take, with every block of a full device resident.
-  const int64_t grid_warps = int64_t(std::max(p.num_sms, 1)) * kBlocksPerSm * kWarps;
-  if (items / kLargeUnit < int64_t(kSmallUnitRounds) * grid_warps)
+  if (items_per_unit(p) == kLargeUnit)
     return recurrent::launch_persistent<decode_step_stream_tc<Elem, kWordStores, kLargeUnit>>(
         p, kWarps, uint32_t(items / kLargeUnit), stream, launched);
   return recurrent::launch_persistent<decode_step_stream_tc<Elem, kWordStores, kSmallUnit>>(
