@@ -18,6 +18,7 @@
 __device__ unsigned long long g_phase_cycles[16];
 #endif
 #include "flashkda/chunk_prepare.cuh"
+#include "chunk_case.cuh"
 #include "harness.cuh"
 
 int main(int argc, char** argv) {
@@ -35,19 +36,7 @@ int main(int argc, char** argv) {
   fill_normal_bf16<<<1024, 256>>>(beta, size_t(T) * H, 4, 1.f);
   CHECK(cudaMemset(A_log, 0, H * 4)); CHECK(cudaMemset(dt_bias, 0, H * D * 4));
 
-  flashkda::ChunkParams p{};
-  p.q = q; p.k = k; p.v = q; p.g = g; p.beta = beta; p.o = nullptr;
-  p.q_batch_stride = p.k_batch_stride = p.g_batch_stride = int64_t(T) * H * D;
-  p.q_token_stride = p.k_token_stride = p.g_token_stride = int64_t(H) * D;
-  p.q_head_stride = p.k_head_stride = p.g_head_stride = D;
-  p.beta_batch_stride = int64_t(T) * H; p.beta_token_stride = H;
-  p.A_log = A_log; p.dt_bias = dt_bias;
-  p.B = 1; p.T = T; p.N = 1; p.H = H; p.HV = H; p.D = D;
-  p.scale = 1.f / sqrtf(float(D)); p.lower_bound = -5.f; p.beta_scale = 1.f;
-  p.gate_mode = flashkda::GateMode::kLowerBound; p.l2norm = true; p.beta_sigmoid = true; p.state_v_first = true;
-  p.g_dtype = p.beta_dtype = flashkda::DType::kBFloat16;
-  p.chunks_per_seq = (T + flashkda::chunk::kChunk - 1) / flashkda::chunk::kChunk;
-  p.num_chunk_slots = p.chunks_per_seq;
+  flashkda::ChunkParams p = chunk_case_params(T, H, q, k, g, beta, A_log, dt_bias);
   CHECK(cudaMalloc(&p.workspace, size_t(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes));
 
   cudaError_t launch_err = cudaSuccess;
