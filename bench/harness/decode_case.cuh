@@ -14,6 +14,7 @@
 
 #include "flashkda/recurrent_params.h"
 #include "harness.cuh"
+#include "token_case.cuh"
 
 template <typename T>
 __global__ void fill_state(T* x, size_t n) {
@@ -57,17 +58,8 @@ struct DecodeCase {
     if (shuffled) std::shuffle(perm.begin(), perm.end(), std::mt19937(0));
     if (!ok(cudaMemcpy(idx, perm.data(), N * 4, cudaMemcpyHostToDevice))) return false;
 
-    p.q = q; p.k = k; p.v = v; p.g = g; p.beta = beta; p.o = o;
-    p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.g_batch_stride = p.o_batch_stride = int64_t(T) * H * D;
-    p.q_token_stride = p.k_token_stride = p.v_token_stride = p.g_token_stride = p.o_token_stride = int64_t(H) * D;
-    p.q_head_stride = p.k_head_stride = p.v_head_stride = p.g_head_stride = p.o_head_stride = D;
-    p.beta_batch_stride = int64_t(T) * H; p.beta_token_stride = H;
-    p.A_log = A_log; p.dt_bias = dt_bias;
+    set_benchmark_tokens(p, N, T, H, q, k, v, g, beta, o, A_log, dt_bias);
     p.state_in = pool; p.state_out = pool; p.slot_indices = idx; p.idx_row_stride = 1; p.num_slots = slots;
-    p.B = N; p.T = T; p.N = N; p.H = H; p.HV = H; p.D = D;
-    p.scale = 1.f / sqrtf(float(D)); p.lower_bound = -5.f; p.beta_scale = 1.f;
-    p.gate_mode = flashkda::GateMode::kLowerBound; p.l2norm = true; p.beta_sigmoid = true; p.state_v_first = true;
-    p.g_dtype = p.beta_dtype = flashkda::DType::kBFloat16;
     p.state_in_dtype = p.state_out_dtype = sizeof(StateT) == 4 ? flashkda::DType::kFloat32 : flashkda::DType::kBFloat16;
     p.idx_type = flashkda::IndexType::kInt32;
     return ok(cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, 0));
