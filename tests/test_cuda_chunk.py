@@ -255,6 +255,33 @@ def test_torch_compile_fullgraph_matches_eager():
 
 
 @pytest.mark.slow
+def test_more_chunks_than_grid_rows():
+    """More than 65535 chunk slots: chunk_prepare's grid spills into z. A short sequence at each end
+    of the batch (the first and the last slots) against the reference."""
+    H, D, edge = 1, 128, 300
+    T = (65535 + 8) * 64
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)  # noqa: E731
+    kw = dict(q=mk(1, T, H, D), k=mk(1, T, H, D), v=mk(1, T, H, D), g=mk(1, T, H, D), beta=mk(1, T, H),
+              A_log=torch.rand(H, device="cuda"), dt_bias=torch.randn(H * D, device="cuda"),
+              initial_state=0.1 * torch.randn(3, H, D, D, device="cuda"),
+              cu_seqlens=torch.tensor([0, edge, T - edge, T], dtype=torch.int32, device="cuda"),
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              lower_bound=-5.0, state_v_first=True)
+    _poison_allocator()
+    o, s = flashkda.chunk_kda(**kw, output_final_state=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    for n, (bos, eos) in enumerate([(0, edge), (T - edge, T)]):
+        sub = {name: (x[:, bos:eos] if name in ("q", "k", "v", "g", "beta") else x) for name, x in kw.items()}
+        sub["initial_state"] = kw["initial_state"][2 * n:2 * n + 1]
+        sub["cu_seqlens"] = None
+        ref_o, ref_s = reference64(sub, output_final_state=True)
+        assert rel_err(o[:, bos:eos], ref_o) <= TOL[torch.bfloat16][0]
+        assert rel_err(s[2 * n:2 * n + 1], ref_s) <= TOL[torch.bfloat16][1]
+
+
+@pytest.mark.slow
 def test_64bit_offsets():
     """T·HV·V > 2^31 elements: the last sequence lies entirely past 2^31 elements of v and o."""
     H, D, tail = 16, 128, 300

@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     constexpr int kKeyTiles = kHeadDim / 8;  // n-tiles of the state per warp
     extern __shared__ __align__(1024) uint8_t smem_raw[];
     Stage* stages = reinterpret_cast<Stage*>(smem_raw);
-    wait_prior_grid();  // chunk_prepare's records (launch_overlapped)
+    // Without chunks no chunk_prepare ran: the grid before this one may be any (see below).
+    if (p.num_chunk_slots == 0) wait_prior_grid();
     __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
 #ifdef FLASHKDA_BULK_COPY
     if constexpr (kVariant != kCpAsyncMma) {
@@ -220,6 +221,10 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
                                           transition ? 0 : chunk_len(j));
       sm80::cp_async_commit();
     };
+    // chunk_prepare's records. The initial state and the varlen order above are read before it,
+    // while chunk_prepare drains: chunk_prepare allows this grid only after its own wait, so what
+    // they come from has completed (kernel_launch.cuh). The segment output pass is not overlapped.
+    wait_prior_grid();
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) issue(i);
     for (int64_t i = 0; i < j1 - j0; ++i) {

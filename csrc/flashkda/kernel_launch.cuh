@@ -1,11 +1,14 @@
 // Launch helpers shared by the kernel families (framework-free): whether a kernel's image on this
 // device holds its sm_90 code, and programmatic dependent launch (sm_90). A kernel launched with
 // programmatic stream serialization (launch_overlapped) is set up while the kernel before it in the
-// stream drains. It calls wait_prior_grid() before it touches global memory: the wait returns once
-// every earlier grid has completed and its writes are visible, so nothing it reads can be stale
-// and nothing it writes can race a reader, whatever ran before it. allow_next_grid() lets the next
-// grid be scheduled (as SMs free up) before this one ends. Without the launch attribute, or below
-// sm_90, both are no-ops.
+// stream drains. It calls wait_prior_grid() before it writes global memory and before it reads
+// anything the kernel before it writes: the wait returns once every earlier grid has completed and
+// its writes are visible, so nothing it reads can be stale and nothing it writes can race a reader,
+// whatever ran before it. allow_next_grid() lets the next grid be scheduled (as SMs free up) before
+// this one ends. A kernel that calls allow_next_grid() only after its own wait_prior_grid() lets
+// the next grid read, before its wait, what the grids before this one wrote: they have completed
+// by the time any of its blocks runs (chunk_recurrence reads the initial state so). Without the
+// launch attribute, or below sm_90, both are no-ops.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,7 +43,7 @@ bool has_sm90_image(Kernel kernel) {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization when
-// `overlapped` (only for kernels that call wait_prior_grid() first, and only for sm_90 images).
+// `overlapped` (only for kernels that call wait_prior_grid() as above, and only for sm_90 images).
 template <typename... Params, typename... Args>
 cudaError_t launch_overlapped(bool overlapped, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
                               cudaStream_t stream, Args&&... args) {
