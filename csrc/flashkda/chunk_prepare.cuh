@@ -75,7 +75,7 @@ struct PrepareSmem {
   float sub_table[3][kSubChunks][kHeadDim];
   alignas(16) float qscale[kChunk];  // l2 norm scale of q (times the attention scale), 0 past the end
   alignas(16) float kscale[kChunk];  // l2 norm scale of k, 0 past the end
-  float beta[kChunk];
+  alignas(16) float beta[kChunk];
   int wide_mask;  // bit a: sub-chunk a has a wide channel (its diagonal block takes the exact path)
 };
 static_assert(kPrepareBlocksPerSm * (sizeof(PrepareSmem) + kSmemReservedPerBlock) <= kSm90SmemPerSm,
@@ -733,14 +733,22 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   }
   __syncthreads();
   // T = L diag(β), lower triangle, 16 bytes per store into shared memory (phase 4) and the record.
+  // Under sq_f32_index's XOR (bits 2-4 of the column) a row's columns 8 ch .. 8 ch + 7 stay one
+  // 32-byte group: bits 3-4 move the group, bit 2 swaps its halves. Four 16-byte loads per row
+  // piece with β.
   for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
     const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
+    const int flip = (i & 7) << 2;
+    const float* group = linv + i * kChunk + 8 * (ch ^ (flip >> 3));
+    const float4 lo = *reinterpret_cast<const float4*>(group + (flip & 4));
+    const float4 hi = *reinterpret_cast<const float4*>(group + (4 - (flip & 4)));
+    const float4 b0 = *reinterpret_cast<const float4*>(&s.beta[8 * ch]);
+    const float4 b1 = *reinterpret_cast<const float4*>(&s.beta[8 * ch + 4]);
+    const float l[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
     float x[8];
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      const int j = 8 * ch + m;
-      x[m] = j <= i ? linv[sq_f32_index(i, j)] * s.beta[j] : 0.f;
-    }
+    for (int m = 0; m < 8; ++m) x[m] = 8 * ch + m <= i ? l[m] * b[m] : 0.f;
     const uint4 packed = pack8<Elem>(x);
     *reinterpret_cast<uint4*>(tinv_s + SqTile::chunk_offset(i, ch)) = packed;
     *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + SqTile::chunk_offset(i, ch)) = packed;
