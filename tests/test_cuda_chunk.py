@@ -254,6 +254,32 @@ def test_torch_compile_fullgraph_matches_eager():
     torch.testing.assert_close(out_c, out_e)
 
 
+def test_more_sequences_than_grid_rows():
+    """More than 65535 sequences: chunk_recurrence takes several launches (and chunk_prepare's grid
+    spills into z). Bitwise equal to the two halves run apart, each within one launch."""
+    gen = torch.Generator().manual_seed(3)
+    choices = [0, 1, 2, 5, 17]
+    lens = [choices[int(i)] for i in torch.randint(len(choices), (65535 + 700,), generator=gen)] + [130, 65]
+    kw = make_inputs(lens=lens, H=1, HV=1, D=128, dtype=torch.bfloat16, device="cuda", state=False,
+                     state_v_first=True, seed=3)
+    kw["initial_state"] = 0.1 * torch.randn(len(lens), 1, 128, 128, device="cuda")
+    _poison_allocator()
+    o, s = flashkda.chunk_kda(**kw, output_final_state=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    cu = kw["cu_seqlens"].tolist()
+    half = len(lens) // 2
+    for n0, n1 in ((0, half), (half, len(lens))):
+        t0, t1 = cu[n0], cu[n1]
+        part = {name: (x[:, t0:t1] if name in ("q", "k", "v", "g", "beta") else x) for name, x in kw.items()}
+        part["initial_state"] = kw["initial_state"][n0:n1]
+        part["cu_seqlens"] = kw["cu_seqlens"][n0:n1 + 1] - t0
+        _poison_allocator()
+        op, sp = flashkda.chunk_kda(**part, output_final_state=True)
+        torch.cuda.synchronize()
+        assert torch.equal(o[:, t0:t1], op) and torch.equal(s[n0:n1], sp)
+
+
 @pytest.mark.slow
 def test_more_chunks_than_grid_rows():
     """More than 65535 chunk slots: chunk_prepare's grid spills into z. A short sequence at each end

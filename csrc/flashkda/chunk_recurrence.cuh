@@ -151,8 +151,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     const RecurrencePass pass = p.recurrence_pass;
     const bool segmented = pass != RecurrencePass::kWhole;
     const int hv = blockIdx.y;
-    const int z = segmented ? int(blockIdx.z / uint32_t(p.segments_per_seq)) : int(blockIdx.z);
-    const int seg = segmented ? int(blockIdx.z % uint32_t(p.segments_per_seq)) : 0;
+    const uint32_t row = blockIdx.z + uint32_t(p.first_grid_row);
+    const int z = segmented ? int(row / uint32_t(p.segments_per_seq)) : int(row);
+    const int seg = segmented ? int(row % uint32_t(p.segments_per_seq)) : 0;
     const bool transition = pass == RecurrencePass::kSegmentLocal && int(blockIdx.x) >= kValueBlocks;  // v = 0
     const int vblock = int(blockIdx.x) % kValueBlocks;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -223,7 +224,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     };
     // chunk_prepare's records. The initial state and the varlen order above are read before it,
     // while chunk_prepare drains: chunk_prepare allows this grid only after its own wait, so what
-    // they come from has completed (kernel_launch.cuh). The segment output pass is not overlapped.
+    // they come from has completed (kernel_launch.cuh); a later launch of the same pass (more than
+    // kMaxGridRows rows) starts only when the one before has left. The segment output pass is not
+    // overlapped.
     wait_prior_grid();
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) issue(i);
@@ -418,6 +421,8 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
   }
 }
 
+constexpr int64_t kMaxGridRows = 65535;
+
 template <typename Elem, int kBlockV, int kVariant>
 cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream) {
   using Shape = RecurrenceShape<kBlockV>;
@@ -432,9 +437,16 @@ cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream)
   // launched plainly.
   static const bool sm90 = has_sm90_image(kernel);
   const bool overlapped = sm90 && p.recurrence_pass != RecurrencePass::kSegmentOutput;
-  err = launch_overlapped(overlapped, kernel, dim3(blocks_v, p.HV, uint32_t(blocks_n)), dim3(Shape::kThreads),
-                          Shape::kSmemBytes, stream, p);
-  if (err != cudaSuccess) return err;
+  // Grid z holds at most kMaxGridRows rows: more sequences take several launches (each after the
+  // previous one: they do not let the next grid start early).
+  ChunkParams rows = p;
+  for (int64_t first = 0; first < blocks_n; first += kMaxGridRows) {
+    rows.first_grid_row = int32_t(first);
+    const int64_t count = blocks_n - first < kMaxGridRows ? blocks_n - first : kMaxGridRows;
+    err = launch_overlapped(overlapped, kernel, dim3(blocks_v, p.HV, uint32_t(count)), dim3(Shape::kThreads),
+                            Shape::kSmemBytes, stream, rows);
+    if (err != cudaSuccess) return err;
+  }
   return cudaGetLastError();
 }
 
