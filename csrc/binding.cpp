@@ -591,14 +591,14 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
     const int64_t mean_chunks = p.cu_seqlens == nullptr ? p.chunks_per_seq : max_chunks / std::max(p.N, 1);
     segment_chunks = auto_segment_chunks(mean_chunks, int64_t(p.N) * p.HV * value_split, p.num_sms);
   }
-  // Grid z of the segment passes is N × segments per sequence (at most 65535).
+  // The segment passes keep N × segments per sequence in one grid (grid z: chunk::kMaxGridRows).
   const int64_t segments =
       segment_chunks > 0 ? std::max<int64_t>(1, (max_chunks + segment_chunks - 1) / segment_chunks) : 0;
-  if (auto_segments && segments * p.N >= 65536) segment_chunks = 0;
+  if (auto_segments && segments * p.N > chunk::kMaxGridRows) segment_chunks = 0;
   p.recurrence_pass = chunk::RecurrencePass::kWhole;
   if (segment_chunks > 0) {
-    TORCH_CHECK(segments * p.N < 65536, "flashkda: too many segments (", segments, " per sequence, ", p.N,
-                " sequences): choose more chunks per segment");
+    TORCH_CHECK(segments * p.N <= chunk::kMaxGridRows, "flashkda: too many segments (", segments,
+                " per sequence, ", p.N, " sequences): choose more chunks per segment");
     p.segment_chunks = int32_t(segment_chunks);
     p.segments_per_seq = int32_t(segments);
   }

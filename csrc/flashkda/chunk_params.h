@@ -17,6 +17,9 @@ constexpr int kSubChunk = 16;
 constexpr int kSubChunks = kChunk / kSubChunk;
 // Head dim of the chunked kernels (K == V); other sizes use the recurrent kernel or the reference.
 constexpr int kHeadDim = 128;
+// CUDA's limit on gridDim.y and gridDim.z: the chunked kernels lay longer ranges over several grid
+// rows or launches.
+constexpr int kMaxGridRows = 65535;
 
 // One workspace record per (chunk, value head), written by chunk_prepare, read by chunk_recurrence.
 // Matrices are row-major over the chunk's tokens c (padded tokens are zero rows and columns), each

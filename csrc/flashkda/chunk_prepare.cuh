@@ -55,9 +55,6 @@ constexpr int kPrepareBlocksPerSmSm80 = 2;
 #define FLASHKDA_PREPARE_MIN_BLOCKS kPrepareBlocksPerSm
 #endif
 
-// Chunk slots per grid z step (grid y holds at most 65535).
-constexpr int kPrepareGridRows = 65535;
-
 constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
 
@@ -292,11 +289,11 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);
   wait_prior_grid();  // the previous kernel's writes: chunk_index's slot table, the inputs (launch_overlapped)
   allow_next_grid();  // chunk_recurrence may launch (after the wait: kernel_launch.cuh); it waits for the records
-  // Grid (HV, slots in rows of kPrepareGridRows): heads fastest and the last chunk slots first, so
+  // Grid (HV, slots in rows of kMaxGridRows): heads fastest and the last chunk slots first, so
   // that the records written last, still in L2, are the first that chunk_recurrence reads (its
   // first blocks take every head of the first sequence, slot 0 on, in a batch of equal lengths).
   const int hv = blockIdx.x;
-  const int slot = p.num_chunk_slots - 1 - int(blockIdx.y + blockIdx.z * uint32_t(kPrepareGridRows));
+  const int slot = p.num_chunk_slots - 1 - int(blockIdx.y + blockIdx.z * uint32_t(kMaxGridRows));
   if (slot < 0) return;  // the last grid row's tail
   ChunkSpan c;
   if (!locate_chunk(p, slot, c)) return;
@@ -815,8 +812,8 @@ cudaError_t launch_prepare(const ChunkParams& p, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   static const bool sm90 = has_sm90_image(kernel);
-  const dim3 grid(p.HV, std::min(p.num_chunk_slots, kPrepareGridRows),
-                  (p.num_chunk_slots + kPrepareGridRows - 1) / kPrepareGridRows);
+  const dim3 grid(p.HV, std::min(p.num_chunk_slots, kMaxGridRows),
+                  (p.num_chunk_slots + kMaxGridRows - 1) / kMaxGridRows);
   err = launch_overlapped(sm90, kernel, grid, dim3(kPrepareThreads), kSmem, stream, p);
   if (err != cudaSuccess) return err;
   return cudaGetLastError();

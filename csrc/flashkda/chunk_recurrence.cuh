@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -421,8 +422,6 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
   }
 }
 
-constexpr int64_t kMaxGridRows = 65535;
-
 template <typename Elem, int kBlockV, int kVariant>
 cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream) {
   using Shape = RecurrenceShape<kBlockV>;
@@ -442,7 +441,7 @@ cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream)
   ChunkParams rows = p;
   for (int64_t first = 0; first < blocks_n; first += kMaxGridRows) {
     rows.first_grid_row = int32_t(first);
-    const int64_t count = blocks_n - first < kMaxGridRows ? blocks_n - first : kMaxGridRows;
+    const int64_t count = std::min<int64_t>(blocks_n - first, kMaxGridRows);
     err = launch_overlapped(overlapped, kernel, dim3(blocks_v, p.HV, uint32_t(count)), dim3(Shape::kThreads),
                             Shape::kSmemBytes, stream, rows);
     if (err != cudaSuccess) return err;
