@@ -84,7 +84,7 @@ struct ChunkParams : RecurrentParams {
   int32_t segments_per_seq;   // segments of the longest possible sequence (grid z = N * this)
   chunk::RecurrencePass recurrence_pass;
   int32_t first_grid_row;     // chunk_recurrence: grid z row of this launch's first z (grid z holds
-                              // at most 65535 rows; more take several launches)
+                              // at most chunk::kMaxGridRows; more rows take several launches)
   float* seg_states;          // [segment_count(), SegmentLayout::kKinds, HV, kHeadDim, kHeadDim]
                               // (segment_matrix in chunk_common.cuh)
 };
