@@ -80,6 +80,13 @@ __device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, 
                : "memory");
 }
 
+// Shared -> global without a cache hint (data that a later kernel reads soon).
+__device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(sm80::smem_u32(src)),
+               "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 // Until at most N of this thread's bulk groups are still reading shared memory.

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "api.h"
+#include "bulk_sm90.cuh"
 #include "chunk_common.cuh"
 #include "chunk_params.h"
 #include "mma_sm80.cuh"
@@ -67,8 +68,8 @@ struct PrepareSmem {
   alignas(16) uint8_t kj[kChunk * kHeadDim * 2];  // k̂ e^{h−γ} (column side), OpElem, MatTile
   alignas(16) uint8_t kt[kChunk * kHeadDim * 2];  // k̂ e^{Γ}, Elem, MatTile
   float fac[kPairs][kHeadDim];                    // row factors of the off-diagonal blocks (a, b)
-  // Per sub-chunk and channel (SubTable): row pivot h (τ/2, or 0 when wide), e^{before + h},
-  // e^{after + h} (before / after: log decay of the sub-chunks before / after it).
+  // Per sub-chunk and channel (SubTable; rows by channel_slot): row pivot h (τ/2, or 0 when wide),
+  // e^{before + h}, e^{after + h} (before / after: log decay of the sub-chunks before / after it).
   float sub_table[3][kSubChunks][kHeadDim];
   alignas(16) float qscale[kChunk];  // l2 norm scale of q (times the attention scale), 0 past the end
   alignas(16) float kscale[kChunk];  // l2 norm scale of k, 0 past the end
@@ -101,6 +102,36 @@ struct PlainF32 {
   int stride;
   __device__ __forceinline__ float& at(int r, int c) const { return p[r * stride + c]; }
 };
+
+// Per-channel rows in shared memory (the sub-chunk tables, the slice totals) that phase 1 reads
+// eight channels per thread (thread cg: channels 8 cg .. 8 cg + 7) hold each thread's first four
+// channels, contiguous over the 16 threads of a token, then its last four: a half-warp's 16-byte
+// loads then cover 256 contiguous bytes (two wavefronts, no bank conflict) instead of 512 bytes at
+// a 32-byte stride. channel_slot(d): channel d's position in such a row.
+__device__ __forceinline__ int channel_slot(int d) {
+  return ((d >> 2) & 1) * (kHeadDim / 2) + (d >> 3) * 4 + (d & 3);
+}
+// Channels 8 cg .. 8 cg + 7 of such a row, as two 16-byte accesses.
+__device__ __forceinline__ void load_channel_group(const float* row, int cg, float (&x)[8]) {
+  const float4 lo = *reinterpret_cast<const float4*>(row + 4 * cg);
+  const float4 hi = *reinterpret_cast<const float4*>(row + kHeadDim / 2 + 4 * cg);
+  x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+}
+__device__ __forceinline__ void store_channel_group(float* row, int cg, const float (&x)[8]) {
+  *reinterpret_cast<float4*>(row + 4 * cg) = make_float4(x[0], x[1], x[2], x[3]);
+  *reinterpret_cast<float4*>(row + kHeadDim / 2 + 4 * cg) = make_float4(x[4], x[5], x[6], x[7]);
+}
+
+// The grid (HV, chunk slots in rows of kMaxGridRows): this block's slot, the last slots first.
+__device__ __forceinline__ int block_slot(const ChunkParams& p) {
+  return p.num_chunk_slots - 1 - int(blockIdx.y + blockIdx.z * uint32_t(kMaxGridRows));
+}
+// This block's workspace record, formed again from the grid where the copy engine takes it at the
+// end of the kernel: holding the pointer from the start instead made ptxas spill in the element
+// loop (40 -> 136 bytes).
+__device__ __forceinline__ uint8_t* block_record(const ChunkParams& p) {
+  return static_cast<uint8_t*>(p.workspace) + (int64_t(block_slot(p)) * p.HV + blockIdx.x) * WorkspaceLayout::kRecordBytes;
+}
 
 template <typename Elem>
 __device__ __forceinline__ void store_elem(uint8_t* base, uint32_t off, float x) {
@@ -293,7 +324,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   // that the records written last, still in L2, are the first that chunk_recurrence reads (its
   // first blocks take every head of the first sequence, slot 0 on, in a batch of equal lengths).
   const int hv = blockIdx.x;
-  const int slot = p.num_chunk_slots - 1 - int(blockIdx.y + blockIdx.z * uint32_t(kMaxGridRows));
+  const int slot = block_slot(p);
   if (slot < 0) return;  // the last grid row's tail
   ChunkSpan c;
   if (!locate_chunk(p, slot, c)) return;
@@ -483,8 +514,18 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   {
     float off[8], later[8];
     float v0[8], v1[8];  // the two halves of this sub-chunk
-    load_floats(&pair[(2 * sub) * kHeadDim + d0], v0);
-    load_floats(&pair[(2 * sub + 1) * kHeadDim + d0], v1);
+    {  // the two 16-byte halves in a lane-dependent order: a half-warp's loads then hit 32 banks each
+      const int h0 = (cg >> 2) & 1;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float* row = &pair[(2 * sub + r) * kHeadDim + d0];
+        const float4 x = *reinterpret_cast<const float4*>(row + 4 * h0);
+        const float4 y = *reinterpret_cast<const float4*>(row + 4 - 4 * h0);
+        float* v = r == 0 ? v0 : v1;
+        v[0] = h0 ? y.x : x.x, v[1] = h0 ? y.y : x.y, v[2] = h0 ? y.z : x.z, v[3] = h0 ? y.w : x.w;
+        v[4] = h0 ? x.x : y.x, v[5] = h0 ? x.y : y.y, v[6] = h0 ? x.z : y.z, v[7] = h0 ? x.w : y.w;
+      }
+    }
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       off[e] = (second_slice ? other[e] : 0.f) + (second_half ? v0[e] : 0.f);
@@ -504,7 +545,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   // totals τ, pivots, the row factors of the A / M products, the chunk decay, and per sub-chunk the
   // tables that the element loop reads.
   {
-    const int d = tid % kHeadDim, part = tid / kHeadDim;
+    const int d = tid % kHeadDim, part = tid / kHeadDim, slot_d = channel_slot(d);
     static_assert(kPrepareThreads == 2 * kHeadDim, "two threads per channel");
     float tau[kSubChunks];
     bool small[kSubChunks];
@@ -523,9 +564,9 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
         float after = 0.f;
 #pragma unroll
         for (int m = a + 1; m < kSubChunks; ++m) after += tau[m];
-        s.sub_table[kRowPivot][a][d] = h_row(a);
-        s.sub_table[kToStart][a][d] = exp2_ftz(before + h_row(a));  // e^{γ−h} -> e^{Γ}
-        s.sub_table[kToEnd][a][d] = exp2_ftz(after + h_row(a));     // e^{h−γ} -> e^{Γ_last − Γ}
+        s.sub_table[kRowPivot][a][slot_d] = h_row(a);
+        s.sub_table[kToStart][a][slot_d] = exp2_ftz(before + h_row(a));  // e^{γ−h} -> e^{Γ}
+        s.sub_table[kToEnd][a][slot_d] = exp2_ftz(after + h_row(a));     // e^{h−γ} -> e^{Γ_last − Γ}
       }
       before += tau[a];
     }
@@ -561,7 +602,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     }
     {  // the pivot, taken out of both offsets once: pre − h and suf − h below
       float h[8];
-      load_floats(&s.sub_table[kRowPivot][sub][d0], h);
+      load_channel_group(s.sub_table[kRowPivot][sub], cg, h);
 #pragma unroll
       for (int e = 0; e < 8; ++e) off[e] -= h[e], later[e] -= h[e];
     }
@@ -578,7 +619,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       uint32_t wqi[4], wki[4], wkj[4], wkt[4], wqd[4], wkd[4];
 #pragma unroll
       for (int e2 = 0; e2 < 4; ++e2) {
-        const int dd = d0 + 2 * e2;
+        const int dd = channel_slot(d0 + 2 * e2);  // channels d0 + 2 e2 and + 1, adjacent in the row
         const float2 up2 = *reinterpret_cast<const float2*>(&s.sub_table[kToStart][sub][dd]);
         const float2 to2 = *reinterpret_cast<const float2*>(&s.sub_table[kToEnd][sub][dd]);
         float vqi[2], vki[2], vkj[2], vkt[2], vqd[2], vkd[2];
@@ -729,18 +770,21 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     }
   }
   __syncthreads();
-  // T = L diag(β), lower triangle, 16 bytes per store into shared memory (phase 4) and the record.
+  // T = L diag(β), lower triangle, 16 bytes per store into shared memory (phase 4) and the record
+  // (sm_80; on sm_90 the copy engine copies the tile).
   // Under sq_f32_index's XOR (bits 2-4 of the column) a row's columns 8 ch .. 8 ch + 7 stay one
   // 32-byte group: bits 3-4 move the group, bit 2 swaps its halves. Four 16-byte loads per row
   // piece with β.
+  static_assert(kPrepareThreads % (kChunk / 8) == 0, "a thread keeps its column piece (and β) in every iteration");
+  const int ch = tid % (kChunk / 8);
+  const float4 b0 = *reinterpret_cast<const float4*>(&s.beta[8 * ch]);
+  const float4 b1 = *reinterpret_cast<const float4*>(&s.beta[8 * ch + 4]);
   for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
-    const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
+    const int i = e / (kChunk / 8);
     const int flip = (i & 7) << 2;
     const float* group = linv + i * kChunk + 8 * (ch ^ (flip >> 3));
     const float4 lo = *reinterpret_cast<const float4*>(group + (flip & 4));
     const float4 hi = *reinterpret_cast<const float4*>(group + (4 - (flip & 4)));
-    const float4 b0 = *reinterpret_cast<const float4*>(&s.beta[8 * ch]);
-    const float4 b1 = *reinterpret_cast<const float4*>(&s.beta[8 * ch + 4]);
     const float l[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
     float x[8];
@@ -748,9 +792,20 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     for (int m = 0; m < 8; ++m) x[m] = 8 * ch + m <= i ? l[m] * b[m] : 0.f;
     const uint4 packed = pack8<Elem>(x);
     *reinterpret_cast<uint4*>(tinv_s + SqTile::chunk_offset(i, ch)) = packed;
+#ifndef FLASHKDA_BULK_COPY
     *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + SqTile::chunk_offset(i, ch)) = packed;
+#endif
   }
+#ifdef FLASHKDA_BULK_COPY
+  // sm_90: the copy engine moves T (tinv_s is the record's image) and later w to the record. Both
+  // tiles stay untouched to the end, where the issuing thread waits for the engine's reads; the
+  // load / store path stays free for the other warps' shared-memory traffic.
+  sm90::fence_proxy_async();
   __syncthreads();
+  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kTinv, tinv_s, uint32_t(WorkspaceLayout::kSqBytes));
+#else
+  __syncthreads();
+#endif
 
   // ---- Phase 4: w = T (k e^{Γ}) --------------------------------------------------------------
   // Warp w: key columns 32 (w % 4) .. +31 of row blocks {3, 0} (w < 4) or {2, 1}: row block a
@@ -797,11 +852,22 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
         }
     }
   }
+#ifdef FLASHKDA_BULK_COPY
+  sm90::fence_proxy_async();
+#endif
   __syncthreads();
 
-  // ---- Phase 5: copy w to the record (16-byte stores; same swizzled layout) ------------------
+  // ---- Phase 5: w to the record (same swizzled layout) ---------------------------------------
+#ifdef FLASHKDA_BULK_COPY
+  if (tid == 0) {
+    sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kW, w_s, uint32_t(WorkspaceLayout::kMatBytes));
+    sm90::bulk_commit();
+    sm90::bulk_wait_read<0>();  // the block's shared memory outlives the engine's reads of T and w
+  }
+#else
   for (int e = tid; e < kChunk * kHeadDim * 2 / 16; e += kPrepareThreads)
     reinterpret_cast<uint4*>(rec + WorkspaceLayout::kW)[e] = reinterpret_cast<const uint4*>(w_s)[e];
+#endif
 }
 
 template <typename Elem>
