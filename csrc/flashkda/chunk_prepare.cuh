@@ -103,11 +103,11 @@ struct PlainF32 {
   __device__ __forceinline__ float& at(int r, int c) const { return p[r * stride + c]; }
 };
 
-// Per-channel rows in shared memory (the sub-chunk tables, the slice totals) that phase 1 reads
-// eight channels per thread (thread cg: channels 8 cg .. 8 cg + 7) hold each thread's first four
-// channels, contiguous over the 16 threads of a token, then its last four: a half-warp's 16-byte
-// loads then cover 256 contiguous bytes (two wavefronts, no bank conflict) instead of 512 bytes at
-// a 32-byte stride. channel_slot(d): channel d's position in such a row.
+// The sub-chunk tables, which the element loop reads eight channels per thread (thread cg: channels
+// 8 cg .. 8 cg + 7), hold in each row every thread's first four channels, contiguous over the 16
+// threads of a token, then its last four: a half-warp's 16-byte loads then cover 256 contiguous
+// bytes (two wavefronts, no bank conflict) instead of 512 bytes at a 32-byte stride.
+// channel_slot(d): channel d's position in such a row.
 __device__ __forceinline__ int channel_slot(int d) {
   return ((d >> 2) & 1) * (kHeadDim / 2) + (d >> 3) * 4 + (d & 3);
 }
@@ -117,18 +117,14 @@ __device__ __forceinline__ void load_channel_group(const float* row, int cg, flo
   const float4 hi = *reinterpret_cast<const float4*>(row + kHeadDim / 2 + 4 * cg);
   x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
 }
-__device__ __forceinline__ void store_channel_group(float* row, int cg, const float (&x)[8]) {
-  *reinterpret_cast<float4*>(row + 4 * cg) = make_float4(x[0], x[1], x[2], x[3]);
-  *reinterpret_cast<float4*>(row + kHeadDim / 2 + 4 * cg) = make_float4(x[4], x[5], x[6], x[7]);
-}
 
 // The grid (HV, chunk slots in rows of kMaxGridRows): this block's slot, the last slots first.
 __device__ __forceinline__ int block_slot(const ChunkParams& p) {
   return p.num_chunk_slots - 1 - int(blockIdx.y + blockIdx.z * uint32_t(kMaxGridRows));
 }
 // This block's workspace record, formed again from the grid where the copy engine takes it at the
-// end of the kernel: holding the pointer from the start instead made ptxas spill in the element
-// loop (40 -> 136 bytes).
+// end of the kernel: holding the pointer from the start instead made ptxas spill over 100 bytes in
+// the element loop (28 this way).
 __device__ __forceinline__ uint8_t* block_record(const ChunkParams& p) {
   return static_cast<uint8_t*>(p.workspace) + (int64_t(block_slot(p)) * p.HV + blockIdx.x) * WorkspaceLayout::kRecordBytes;
 }
