@@ -769,8 +769,8 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   // T = L diag(β), lower triangle, 16 bytes per store into shared memory (phase 4) and the record
   // (sm_80; on sm_90 the copy engine copies the tile).
   // Under sq_f32_index's XOR (bits 2-4 of the column) a row's columns 8 ch .. 8 ch + 7 stay one
-  // 32-byte group: bits 3-4 move the group, bit 2 swaps its halves. Four 16-byte loads per row
-  // piece with β.
+  // 32-byte group: bits 3-4 move the group, bit 2 swaps its halves. Two 16-byte loads of L per row
+  // piece; β's two once per thread.
   static_assert(kPrepareThreads % (kChunk / 8) == 0, "a thread keeps its column piece (and β) in every iteration");
   const int ch = tid % (kChunk / 8);
   const float4 b0 = *reinterpret_cast<const float4*>(&s.beta[8 * ch]);
