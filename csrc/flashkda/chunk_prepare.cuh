@@ -510,7 +510,10 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   {
     float off[8], later[8];
     float v0[8], v1[8];  // the two halves of this sub-chunk
-    {  // the two 16-byte halves in a lane-dependent order: a half-warp's loads then hit 32 banks each
+    // The two 16-byte halves in a lane-dependent order: a half-warp's loads then hit 32 banks each.
+    // (Laying these rows out by channel_slot too, with the per-channel pass's reads, made ptxas
+    // spill 120 bytes.)
+    {
       const int h0 = (cg >> 2) & 1;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
