@@ -13,11 +13,48 @@
 namespace flashkda {
 namespace chunk {
 
-// Shared-memory (and workspace record) layout of the chunk matrices: [kChunk][kHeadDim] tiles (w,
-// q e^Γ, k e^{Γ_C−Γ}, and chunk_prepare's operand tiles) and [kChunk][kChunk] tiles (M, T), both
-// in 128-byte swizzled panels that ldmatrix and wgmma descriptors read alike.
+// Shared-memory (and workspace record) layout of the [kChunk][kHeadDim] chunk matrices (w, q e^Γ,
+// k e^{Γ_C−Γ}, and chunk_prepare's operand tiles): 128-byte swizzled panels that ldmatrix and
+// wgmma descriptors read alike.
 using MatTile = sm80::PanelTile<kChunk, kHeadDim / 8>;
-using SqTile = sm80::PanelTile<kChunk, kChunk / 8>;
+
+// Token order of the record and of chunk_recurrence's stages: sub-chunk blocks reversed (token t
+// at row record_row(t); rows within a block keep their order). The lower triangular matrices (M,
+// T) then have their nonzero blocks first in every 16-column slice (see TriTile), so the wgmmas
+// that skip their zero blocks accumulate into leading accumulator tiles: a block of tiles further
+// in made ptxas serialize the wgmma pipeline. Every token-indexed tile of the record (w, qd, kd,
+// both dimensions of M and T) and of the stage (v, o) uses this order; decay has no token index.
+__host__ __device__ __forceinline__ constexpr int record_row(int t) { return t ^ ((kSubChunks - 1) * kSubChunk); }
+
+// The triangular [kChunk][kChunk] matrices (M, T) in record order, where they are block upper
+// triangular: only the sub-chunk blocks (r, c), r <= c, are stored, by 16-column slices c. Slice c
+// holds rows 0 .. 16 c + 15, 32 bytes each, in the 32-byte swizzle of wgmma (the two 16-byte halves
+// of a row swap in rows with bit 2 set), and the slices follow each other. A slice is then the
+// K-major B operand of a wgmma of N = 16 (c + 1) rows (SBO 256 bytes), ldmatrix reads of 8 rows
+// hit 32 different banks, and the record carries no zero block (10 of 16 blocks: 5 KB, not 8).
+struct TriTile {
+  static constexpr int kRowBytes = kSubChunk * 2;
+  static constexpr int kBlockBytes = kSubChunk * kRowBytes;
+  static constexpr int kBytes = kSubChunks * (kSubChunks + 1) / 2 * kBlockBytes;
+  static constexpr int kGroupBytes = 8 * kRowBytes;  // 8-row groups: the wgmma descriptor's SBO
+  static_assert(kBytes == WorkspaceLayout::kTriBytes, "the record's triangular matrices");
+  // Byte offset of slice c: the blocks of the slices before it.
+  __host__ __device__ __forceinline__ static constexpr int slice_offset(int c) { return c * (c + 1) / 2 * kBlockBytes; }
+  // 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) of row `row`, record order; row / 16 <= chunk / 2.
+  __device__ __forceinline__ static uint32_t chunk_offset(int row, int chunk) {
+    return uint32_t(slice_offset(chunk >> 1) + row * kRowBytes + (((chunk & 1) ^ ((row >> 2) & 1)) << 4));
+  }
+  __device__ __forceinline__ static uint32_t offset(int row, int col) {
+    return chunk_offset(row, col >> 3) + uint32_t((col & 7) * 2);
+  }
+  // Element (i, j) and 16-byte chunk (i, columns 8 chunk .. 8 chunk + 7) by tokens, j <= i (block-wise).
+  __device__ __forceinline__ static uint32_t token_offset(int i, int j) { return offset(record_row(i), record_row(j)); }
+  __device__ __forceinline__ static uint32_t token_chunk_offset(int i, int chunk) {
+    return chunk_offset(record_row(i), record_row(8 * chunk) >> 3);
+  }
+};
+static_assert(TriTile::slice_offset(kSubChunks) == TriTile::kBytes, "the slices fill the tile");
+static_assert(TriTile::kBlockBytes % 256 == 0, "every slice starts on a 256-byte swizzle atom");
 
 // Overlapped launches (kernel_launch.cuh): chunk_prepare and the first chunk_recurrence pass are
 // launched with programmatic stream serialization on sm_90 images and wait for the prior grid

@@ -22,27 +22,32 @@ constexpr int kHeadDim = 128;
 constexpr int kMaxGridRows = 65535;
 
 // One workspace record per (chunk, value head), written by chunk_prepare, read by chunk_recurrence.
-// Matrices are row-major over the chunk's tokens c (padded tokens are zero rows and columns), each
-// matrix in the 128-byte swizzled panels of shared memory (MatTile / SqTile, chunk_common.cuh): the
-// record is the image of chunk_recurrence's shared-memory stage, so one linear bulk copy loads it
-// and wgmma descriptors address it in place.
+// Matrices are row-major over the chunk's tokens c, in the record's token order (record_row,
+// chunk_common.cuh: the four sub-chunks reversed; padded tokens are zero rows and columns): the
+// [kChunk][kHeadDim] ones in 128-byte swizzled panels (MatTile), the two lower triangular
+// [kChunk][kChunk] ones as their sub-chunk blocks on and below the diagonal only (TriTile: the zero
+// blocks are neither stored nor loaded). The record is the image of chunk_recurrence's
+// shared-memory stage, so one linear bulk copy loads it and wgmma descriptors address it in place.
 //   w     [kChunk][kHeadDim] elem   T · (k ⊙ e^{Γ})          (Γ: log decay from the chunk start)
 //   qd    [kChunk][kHeadDim] elem   scale · q ⊙ e^{Γ}
 //   kd    [kChunk][kHeadDim] elem   k ⊙ e^{Γ_last − Γ}
-//   mqk   [kChunk][kChunk]   elem   tril((q ⊙ e^{Γ}) (k ⊙ e^{−Γ})ᵀ), formed pairwise
+//   mqk   [kChunk][kChunk]   elem   tril((q ⊙ e^{Γ}) (k ⊙ e^{−Γ})ᵀ), formed pairwise      (TriTile)
 //   tinv  [kChunk][kChunk]   elem   T = (I + A)⁻¹ diag(β),  A = strict_tril(diag(β) (k e^{Γ})(k e^{−Γ})ᵀ)
+//                                                                                          (TriTile)
 //   decay [kHeadDim]         fp32   e^{Γ_last}
 // The chunk's output and state update are then  U = T v − w S,  O = qd S + mqk U,
 // S ← decay ⊙ S + kdᵀ U  (KDA_SPEC "Reading").
 struct WorkspaceLayout {
   static constexpr int64_t kMatBytes = int64_t(kChunk) * kHeadDim * 2;
-  static constexpr int64_t kSqBytes = int64_t(kChunk) * kChunk * 2;
+  // The kSubChunks (kSubChunks + 1) / 2 blocks of kSubChunk x kSubChunk b16 elements on and below
+  // the diagonal.
+  static constexpr int64_t kTriBytes = int64_t(kSubChunks) * (kSubChunks + 1) / 2 * kSubChunk * kSubChunk * 2;
   static constexpr int64_t kW = 0;
   static constexpr int64_t kQd = kW + kMatBytes;
   static constexpr int64_t kKd = kQd + kMatBytes;
   static constexpr int64_t kMqk = kKd + kMatBytes;
-  static constexpr int64_t kTinv = kMqk + kSqBytes;
-  static constexpr int64_t kDecay = kTinv + kSqBytes;
+  static constexpr int64_t kTinv = kMqk + kTriBytes;
+  static constexpr int64_t kDecay = kTinv + kTriBytes;
   static constexpr int64_t kRecordBytes = kDecay + kHeadDim * 4;
 };
 

@@ -134,6 +134,15 @@ __device__ __forceinline__ void store_elem(uint8_t* base, uint32_t off, float x)
   *reinterpret_cast<Elem*>(base + off) = from_float<Elem>(x);
 }
 
+// Two floats from shared memory, loaded where used: the element loop reads the sub-chunk tables
+// once per token, and the compiler, free to merge those loads, held them across the loop (ptxas
+// spilled there).
+__device__ __forceinline__ float2 load_float2_per_use(const float* p) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(sm80::smem_u32(p)));
+  return v;
+}
+
 // Eight floats as eight b16 elements (one 16-byte store).
 template <typename Elem>
 __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
@@ -142,12 +151,16 @@ __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
 }
 
 // Exact diagonal block of sub-chunk a (one warp): A entries (into amat, shared memory) and the
-// whole 16x16 diagonal block of M (into mqk, the record) from products of per-token decays. Lane
-// owns channels 4·lane .. 4·lane+3.
+// whole 16x16 diagonal block of M (into the record) from products of per-token decays. Lane owns
+// channels 4·lane .. 4·lane+3. The chunk, the heads and the record are formed again from the grid:
+// held from the start of the kernel for this rare path, they made ptxas spill in the element loop.
 template <typename Elem>
-__device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, int hv, int h, int a,
-                                     PrepareSmem& s, float* amat, uint8_t* mqk) {
+__device__ void exact_diagonal_block(const ChunkParams& p, int a, PrepareSmem& s, float* amat) {
   const int lane = threadIdx.x & 31;
+  const int hv = blockIdx.x, h = key_head(p, hv);
+  ChunkSpan c;
+  locate_chunk(p, block_slot(p), c);  // true: the kernel returned otherwise
+  uint8_t* const mqk = block_record(p) + WorkspaceLayout::kMqk;
   const Elem* qb = static_cast<const Elem*>(p.q) + c.batch * p.q_batch_stride + h * p.q_head_stride;
   const Elem* kb = static_cast<const Elem*>(p.k) + c.batch * p.k_batch_stride + h * p.k_head_stride;
   const char* gb = static_cast<const char*>(p.g);
@@ -194,13 +207,13 @@ __device__ void exact_diagonal_block(const ChunkParams& p, const ChunkSpan& c, i
       if (lane == 0) {
         const int row = a * kSubChunk + i, col = a * kSubChunk + j;
         amat[sq_f32_index(row, col)] = j < i ? sa * s.beta[t] : 0.f;
-        store_elem<Elem>(mqk, SqTile::offset(row, col), sm);
+        store_elem<Elem>(mqk, TriTile::token_offset(row, col), sm);
       }
     }
   }
   for (int e = lane; e < kSubChunk * kSubChunk; e += 32) {  // the block's upper triangle of M is zero
     const int i = e / kSubChunk, j = e % kSubChunk;
-    if (j > i) store_elem<Elem>(mqk, SqTile::offset(a * kSubChunk + i, a * kSubChunk + j), 0.f);
+    if (j > i) store_elem<Elem>(mqk, TriTile::token_offset(a * kSubChunk + i, a * kSubChunk + j), 0.f);
   }
 }
 
@@ -605,8 +618,6 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
 #pragma unroll
       for (int e = 0; e < 8; ++e) off[e] -= h[e], later[e] -= h[e];
     }
-    const float4 qs = *reinterpret_cast<const float4*>(&s.qscale[kSliceTokens * ts]);
-    const float4 ks = *reinterpret_cast<const float4*>(&s.kscale[kSliceTokens * ts]);
 #pragma unroll
     for (int i = 0; i < kSliceTokens; ++i) {
       const int t = kSliceTokens * ts + i;
@@ -619,8 +630,8 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
 #pragma unroll
       for (int e2 = 0; e2 < 4; ++e2) {
         const int dd = channel_slot(d0 + 2 * e2);  // channels d0 + 2 e2 and + 1, adjacent in the row
-        const float2 up2 = *reinterpret_cast<const float2*>(&s.sub_table[kToStart][sub][dd]);
-        const float2 to2 = *reinterpret_cast<const float2*>(&s.sub_table[kToEnd][sub][dd]);
+        const float2 up2 = load_float2_per_use(&s.sub_table[kToStart][sub][dd]);
+        const float2 to2 = load_float2_per_use(&s.sub_table[kToEnd][sub][dd]);
         float vqi[2], vki[2], vkj[2], vkt[2], vqd[2], vkd[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
@@ -631,8 +642,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
             if (i2 <= i) pre += gl[i2][e];
             else suf += gl[i2][e];
           }
-          const float qsi = i == 0 ? qs.x : i == 1 ? qs.y : i == 2 ? qs.z : qs.w;
-          const float ksi = i == 0 ? ks.x : i == 1 ? ks.y : i == 2 ? ks.z : ks.w;
+          const float qsi = s.qscale[t], ksi = s.kscale[t];  // the token's l2 norm scales (broadcast loads)
           const float qh = to_float(xq[e]) * qsi, kh = to_float(xk[e]) * ksi;
           const float x = exp2_ftz(pre);  // e^{γ − h}
           const float y = exp2_ftz(suf);  // e^{h − γ} = e^{(τ − γ) − (τ − h)}
@@ -654,8 +664,12 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       *reinterpret_cast<uint4*>(s.ki + moff) = make_uint4(wki[0], wki[1], wki[2], wki[3]);
       *reinterpret_cast<uint4*>(s.kj + moff) = make_uint4(wkj[0], wkj[1], wkj[2], wkj[3]);
       *reinterpret_cast<uint4*>(s.kt + moff) = make_uint4(wkt[0], wkt[1], wkt[2], wkt[3]);
-      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + moff) = make_uint4(wqd[0], wqd[1], wqd[2], wqd[3]);
-      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kKd + moff) = make_uint4(wkd[0], wkd[1], wkd[2], wkd[3]);
+      // MatTile::chunk_offset(record_row(t), cg): record_row moves whole 8-row groups, which keep
+      // their swizzle, so the record's row is the same offset with the row bits flipped.
+      static_assert(record_row(0) % 8 == 0, "record_row keeps the swizzle");
+      const uint32_t roff = moff ^ uint32_t(record_row(0) * 128);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kQd + roff) = make_uint4(wqd[0], wqd[1], wqd[2], wqd[3]);
+      *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kKd + roff) = make_uint4(wkd[0], wkd[1], wkd[2], wkd[3]);
     }
   }
   __syncthreads();
@@ -664,7 +678,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   // Stage 1: every warp runs its block positions (block_position), M's blocks go
   // straight to the record and A's stay in registers; stage 2 stores A (after the barrier, over the
   // dead row tiles). Shared memory from here on:
-  //   ki (A rows): amat (sq_f32_index), then tinv_s (SqTile) after the off-diagonal inverse
+  //   ki (A rows): amat (sq_f32_index), then tinv_s (TriTile) after the off-diagonal inverse
   //   qi (M rows): linv (sq_f32_index)
   //   sub_table (dead): scratch of the off-diagonal inverse
   //   kj (column operand): w_s (MatTile)
@@ -675,11 +689,6 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   uint8_t* w_s = s.kj;
   uint8_t* mqk_rec = rec + WorkspaceLayout::kMqk;
   const uint32_t kj_base = sm80::smem_u32(s.kj), qi_base = sm80::smem_u32(s.qi), ki_base = sm80::smem_u32(s.ki);
-  // M's zero blocks above the diagonal.
-  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
-    const int i = e / (kChunk / 8), ch = e % (kChunk / 8);
-    if (ch * 8 / kSubChunk > i / kSubChunk) *reinterpret_cast<uint4*>(mqk_rec + SqTile::chunk_offset(i, ch)) = uint4{};
-  }
   const bool pair_warp = warp < kDiagonalWarpsFirst;
   const int positions = pair_warp ? 1 : 2;
   float acc[2][2][4];  // A's block of each position
@@ -701,7 +710,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
-        *reinterpret_cast<uint32_t*>(mqk_rec + SqTile::offset(i, jc)) =
+        *reinterpret_cast<uint32_t*>(mqk_rec + TriTile::token_offset(i, jc)) =
             sm80::pack2<Elem>(jc <= i ? acc_m[n][2 * hh] : 0.f, jc + 1 <= i ? acc_m[n][2 * hh + 1] : 0.f);
       }
   }
@@ -724,7 +733,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   }
   __syncthreads();
   if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
-    if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, c, hv, h, warp, s, amat, mqk_rec);
+    if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, warp, s, amat);
     __syncthreads();
   }
 
@@ -769,8 +778,8 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     }
   }
   __syncthreads();
-  // T = L diag(β), lower triangle, 16 bytes per store into shared memory (phase 4) and the record
-  // (sm_80; on sm_90 the copy engine copies the tile).
+  // T = L diag(β), its blocks on and below the diagonal (TriTile), 16 bytes per store into shared
+  // memory (phase 4) and the record (sm_80; on sm_90 the copy engine copies the tile).
   // Under sq_f32_index's XOR (bits 2-4 of the column) a row's columns 8 ch .. 8 ch + 7 stay one
   // 32-byte group: bits 3-4 move the group, bit 2 swaps its halves. Two 16-byte loads of L per row
   // piece; β's two once per thread.
@@ -780,6 +789,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   const float4 b1 = *reinterpret_cast<const float4*>(&s.beta[8 * ch + 4]);
   for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
     const int i = e / (kChunk / 8);
+    if (8 * ch / kSubChunk > i / kSubChunk) continue;  // a zero block: not in the TriTile
     const int flip = (i & 7) << 2;
     const float* group = linv + i * kChunk + 8 * (ch ^ (flip >> 3));
     const float4 lo = *reinterpret_cast<const float4*>(group + (flip & 4));
@@ -790,9 +800,9 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
 #pragma unroll
     for (int m = 0; m < 8; ++m) x[m] = 8 * ch + m <= i ? l[m] * b[m] : 0.f;
     const uint4 packed = pack8<Elem>(x);
-    *reinterpret_cast<uint4*>(tinv_s + SqTile::chunk_offset(i, ch)) = packed;
+    *reinterpret_cast<uint4*>(tinv_s + TriTile::token_chunk_offset(i, ch)) = packed;
 #ifndef FLASHKDA_BULK_COPY
-    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + SqTile::chunk_offset(i, ch)) = packed;
+    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + TriTile::token_chunk_offset(i, ch)) = packed;
 #endif
   }
 #ifdef FLASHKDA_BULK_COPY
@@ -801,7 +811,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   // load / store path stays free for the other warps' shared-memory traffic.
   sm90::fence_proxy_async();
   __syncthreads();
-  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kTinv, tinv_s, uint32_t(WorkspaceLayout::kSqBytes));
+  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kTinv, tinv_s, uint32_t(TriTile::kBytes));
 #else
   __syncthreads();
 #endif
@@ -813,9 +823,9 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     const int quarter = warp % 4, pairing = warp / 4;
     const uint32_t t_base = sm80::smem_u32(tinv_s), kt_base = sm80::smem_u32(s.kt);
     static_assert(kSubChunks == 4 && kPrepareThreads == 256, "phase 4 splits four row blocks over eight warps");
-    // MatTile::offset(16 a + g8 + 8 hh, 32 quarter + 8 n + 2 t4), taken apart: the panel and the
-    // lane's row and column once, the swizzled chunk (4 (quarter & 1) + n) ^ g8 per n, and the row
-    // block and hh as constants.
+    // MatTile::offset(record_row(16 a) + g8 + 8 hh, 32 quarter + 8 n + 2 t4) (w in the record's
+    // token order), taken apart: the panel and the lane's row and column once, the swizzled chunk
+    // (4 (quarter & 1) + n) ^ g8 per n, and the row block and hh as constants.
     static_assert(MatTile::kPanelBytes == kChunk * 128 && kHeadDim == 128, "the w store offsets below");
     const int w_lane = (quarter >> 1) * MatTile::kPanelBytes + g8 * 128 + 4 * t4;
     const int w_swz = (4 * (quarter & 1)) ^ g8;
@@ -831,7 +841,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       for (int kc = 0; kc < kSubChunks; ++kc) {  // kc <= a (unrolled: the tile offsets fold into constants)
         if (kc > a) break;
         uint32_t af[4];
-        sm80::ldmatrix_x4(af, t_base + SqTile::chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
+        sm80::ldmatrix_x4(af, t_base + TriTile::token_chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                             2 * kc + (lane >> 4)));
 #pragma unroll
         for (int dp = 0; dp < 2; ++dp) {
@@ -846,7 +856,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       for (int n = 0; n < 4; ++n)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          *reinterpret_cast<uint32_t*>(w_s + w_lane + (a * kSubChunk + 8 * hh) * 128 + ((w_swz ^ n) << 4)) =
+          *reinterpret_cast<uint32_t*>(w_s + w_lane + (record_row(a * kSubChunk) + 8 * hh) * 128 + ((w_swz ^ n) << 4)) =
               sm80::pack2<Elem>(accw[n][2 * hh], accw[n][2 * hh + 1]);
         }
     }

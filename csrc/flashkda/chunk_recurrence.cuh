@@ -8,7 +8,9 @@
 // mma.sync in the sm_80 family, on warpgroup MMAs of 64 value rows in the sm_90 family), so per chunk
 //     Uᵀ = (T v)ᵀ − Sᵀ wᵀ,   Oᵀ = Sᵀ qdᵀ + Uᵀ mqkᵀ,   Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
 // run from registers and shared memory with no data exchanged between warps. The next chunk's
-// record streams into a second shared-memory stage while this one is computed.
+// record streams into a second shared-memory stage while this one is computed. Tokens (the columns
+// of Uᵀ and Oᵀ, the rows of every stage tile) are in the record's order (record_row): the products
+// with the triangular T and mqk then skip their zero blocks on leading accumulator tiles.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "bulk_sm90.cuh"
 #include "chunk_common.cuh"
@@ -47,10 +50,10 @@ struct RecurrenceShape {
     alignas(16) uint8_t w[kChunk * kHeadDim * 2];
     alignas(16) uint8_t qd[kChunk * kHeadDim * 2];
     alignas(16) uint8_t kd[kChunk * kHeadDim * 2];
-    alignas(16) uint8_t mqk[kChunk * kChunk * 2];
-    alignas(16) uint8_t tinv[kChunk * kChunk * 2];
+    alignas(256) uint8_t mqk[TriTile::kBytes];  // 256-byte aligned: wgmma's 32-byte swizzle atoms
+    alignas(256) uint8_t tinv[TriTile::kBytes];
     alignas(16) float decay[kHeadDim];            // everything up to here: the workspace record's image
-    alignas(16) uint8_t v[kChunk * kBlockV * 2];  // v, then this chunk's output (same columns)
+    alignas(16) uint8_t v[kChunk * kBlockV * 2];  // v, then this chunk's output (same columns; record_row order)
   };
   static constexpr int kSmemBytes = kStages * int(sizeof(Stage));
 };
@@ -91,26 +94,41 @@ __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape:
     const int row = e / kRowChunks, ch = e % kRowChunks;
     const bool valid = row < len;
     const Elem* src = vrow0 + (valid ? int64_t(row) * p.v_token_stride + ch * 8 : 0);
-    sm80::cp_async_16(sm80::smem_u32(st.v) + Shape::VTile::chunk_offset(row, ch), src, valid);
+    sm80::cp_async_16(sm80::smem_u32(st.v) + Shape::VTile::chunk_offset(record_row(row), ch), src, valid);
   }
 }
 
 // acc (16 value rows x kChunk tokens, m16n8 accumulators) += A · Lᵀ on mma.sync, with A the 16 x kChunk
-// operand in A fragments (16 tokens per k-step) and L a lower-triangular [kChunk][kChunk] SqTile at
-// l_s (T or mqk): output tiles np >= kc only.
+// operand in A fragments (16 tokens per k-step) and L a triangular TriTile at l_s (T or mqk), tokens
+// in record order: output tiles np <= kc only.
 template <typename Elem>
-__device__ __forceinline__ void times_lower_transposed(float (&acc)[kChunk / 8][4], const uint32_t (&a)[kChunk / 16][4],
-                                                       uint32_t l_s, int lane) {
+__device__ __forceinline__ void times_triangular_transposed(float (&acc)[kChunk / 8][4], const uint32_t (&a)[kChunk / 16][4],
+                                                            uint32_t l_s, int lane) {
 #pragma unroll
   for (int kc = 0; kc < kChunk / 16; ++kc)
 #pragma unroll
-    for (int np = kc; np < kChunk / 16; ++np) {
+    for (int np = 0; np <= kc; ++np) {
       uint32_t bf[4];
-      sm80::ldmatrix_x4(bf, l_s + SqTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8, 2 * kc + ((lane >> 3) & 1)));
+      sm80::ldmatrix_x4(bf, l_s + TriTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8, 2 * kc + ((lane >> 3) & 1)));
       sm80::mma_16816<Elem>(acc[2 * np], a[kc], bf[0], bf[1]);
       sm80::mma_16816<Elem>(acc[2 * np + 1], a[kc], bf[2], bf[3]);
     }
 }
+
+#ifdef FLASHKDA_WGMMA
+// The same on warpgroup MMAs (64 value rows): slice kc of L is the B operand of one wgmma of
+// N = 16 (kc + 1), into the leading accumulator tiles.
+template <typename Elem, int... kKc>
+__device__ __forceinline__ void times_triangular_transposed_wgmma(float (&acc)[kChunk / 8][4],
+                                                                  const uint32_t (&a)[kChunk / 16][4], uint32_t l_s,
+                                                                  std::integer_sequence<int, kKc...>) {
+  (sm90::wgmma_m64nNk16_rs<Elem, 1>(sm90::leading_tiles<2 * (kKc + 1)>(acc), a[kKc],
+                                    sm90::smem_desc(l_s + TriTile::slice_offset(kKc), 16, TriTile::kGroupBytes,
+                                                    sm90::kSwizzle32B),
+                                    true),
+   ...);
+}
+#endif
 
 // kVariant (RecurrenceVariant): the sm_90 variant's sm_80 image is empty and never launched
 // (launch_recurrence checks the image's architecture).
@@ -265,14 +283,12 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         sm90::fence_operands(u);
         sm90::fence_operands(o);
         sm90::wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < kChunk / 16; ++kc)
-          sm90::wgmma_m64n64k16_rs<Elem, 1>(u, va[kc], sm90::smem_desc(tinv_s + kc * 32, 16, 1024), true);
+        times_triangular_transposed_wgmma<Elem>(u, va, tinv_s, std::make_integer_sequence<int, kChunk / 16>{});
 #pragma unroll
         for (int kd = 0; kd < kHeadDim / 16; ++kd) {
           const uint32_t koff = (kd / 4) * MatTile::kPanelBytes + (kd % 4) * 32;
-          sm90::wgmma_m64n64k16_rs<Elem, -1>(u, a[kd], sm90::smem_desc(w_s + koff, 16, 1024), true);
-          sm90::wgmma_m64n64k16_rs<Elem, 1>(o, a[kd], sm90::smem_desc(qd_s + koff, 16, 1024), true);
+          sm90::wgmma_m64nNk16_rs<Elem, -1>(u, a[kd], sm90::smem_desc(w_s + koff, 16, 1024), true);
+          sm90::wgmma_m64nNk16_rs<Elem, 1>(o, a[kd], sm90::smem_desc(qd_s + koff, 16, 1024), true);
         }
         sm90::wgmma_commit();
         sm90::wgmma_wait<0>();
@@ -289,9 +305,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         }
         sm90::fence_operands(s);
         sm90::wgmma_fence();
-#pragma unroll
-        for (int kc = 0; kc < kChunk / 16; ++kc)
-          sm90::wgmma_m64n64k16_rs<Elem, 1>(o, ua[kc], sm90::smem_desc(mqk_s + kc * 32, 16, 1024), true);
+        times_triangular_transposed_wgmma<Elem>(o, ua, mqk_s, std::make_integer_sequence<int, kChunk / 16>{});
         sm90::wgmma_commit();
 #pragma unroll
         for (int kc = 0; kc < kChunk / 16; ++kc)
@@ -303,7 +317,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       } else
 #endif
       {
-        times_lower_transposed<Elem>(u, va, tinv_s, lane);  // Uᵀ = vᵀ Tᵀ
+        times_triangular_transposed<Elem>(u, va, tinv_s, lane);  // Uᵀ = vᵀ Tᵀ
         // Uᵀ −= Sᵀ wᵀ,  Oᵀ = Sᵀ qdᵀ
 #pragma unroll
         for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
@@ -324,7 +338,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         }
 #pragma unroll
         for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
-        times_lower_transposed<Elem>(o, ua, mqk_s, lane);  // Oᵀ += Uᵀ mqkᵀ
+        times_triangular_transposed<Elem>(o, ua, mqk_s, lane);  // Oᵀ += Uᵀ mqkᵀ
       }
       // Output: through this warp's own columns of the v tile, then 16-byte stores.
       if (writes_output) {
@@ -359,9 +373,9 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         Elem* orow0 = obase + (seq.bos + j * kChunk) * p.o_token_stride + v_local;
 #pragma unroll
         for (int it = 0; it < kChunk / 16; ++it) {
-          const int c = 16 * it + (lane >> 1), half = lane & 1;
-          if (c < len)
-            *reinterpret_cast<uint4*>(orow0 + int64_t(c) * p.o_token_stride + 8 * half) =
+          const int c = 16 * it + (lane >> 1), half = lane & 1, t = record_row(c);
+          if (t < len)
+            *reinterpret_cast<uint4*>(orow0 + int64_t(t) * p.o_token_stride + 8 * half) =
                 *reinterpret_cast<const uint4*>(st.v + Shape::VTile::chunk_offset(c, v_local / 8 + half));
         }
       }
