@@ -134,6 +134,29 @@ __device__ __forceinline__ void store_elem(uint8_t* base, uint32_t off, float x)
   *reinterpret_cast<Elem*>(base + off) = from_float<Elem>(x);
 }
 
+// Where M's blocks go: on sm_90 into the sub-chunk tables (dead after the element loop; the
+// off-diagonal inverse's scratch once M has been read out), then to the record in one bulk copy;
+// else straight to the record. A warp's 4-byte fragment stores span eight rows: eight sectors of
+// global memory, one wavefront of shared memory.
+__device__ __forceinline__ uint8_t* m_tile(const ChunkParams& p, PrepareSmem& s) {
+#ifdef FLASHKDA_BULK_COPY
+  (void)p;
+  return reinterpret_cast<uint8_t*>(s.sub_table);
+#else
+  return block_record(p) + WorkspaceLayout::kMqk;
+#endif
+}
+static_assert(int(sizeof(PrepareSmem::sub_table)) >= TriTile::kBytes, "M's blocks fit in the sub-chunk tables");
+
+// This thread's index, read again for phases 2-5: indices derived from the first read (at the
+// kernel's start) were held across the element loop, where ptxas spilled (68 bytes; 8 with this
+// and the wide-mask read after the loop).
+__device__ __forceinline__ int thread_index_again() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 // Two floats from shared memory, loaded where used: the element loop reads the sub-chunk tables
 // once per token, and the compiler, free to merge those loads, held them across the loop (ptxas
 // spilled there).
@@ -160,7 +183,7 @@ __device__ void exact_diagonal_block(const ChunkParams& p, int a, PrepareSmem& s
   const int hv = blockIdx.x, h = key_head(p, hv);
   ChunkSpan c;
   locate_chunk(p, block_slot(p), c);  // true: the kernel returned otherwise
-  uint8_t* const mqk = block_record(p) + WorkspaceLayout::kMqk;
+  uint8_t* const mqk = m_tile(p, s);
   const Elem* qb = static_cast<const Elem*>(p.q) + c.batch * p.q_batch_stride + h * p.q_head_stride;
   const Elem* kb = static_cast<const Elem*>(p.k) + c.batch * p.k_batch_stride + h * p.k_head_stride;
   const char* gb = static_cast<const char*>(p.g);
@@ -338,8 +361,8 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   ChunkSpan c;
   if (!locate_chunk(p, slot, c)) return;
   const int h = key_head(p, hv);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g8 = lane >> 2, t4 = lane & 3;
+  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;  // read again after phase 1 (thread_index_again)
+  int g8 = lane >> 2, t4 = lane & 3;
   uint8_t* rec = static_cast<uint8_t*>(p.workspace) + (int64_t(slot) * p.HV + hv) * WorkspaceLayout::kRecordBytes;
 
   const Elem* qb = static_cast<const Elem*>(p.q) + c.batch * p.q_batch_stride + h * p.q_head_stride;
@@ -601,7 +624,6 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     if (lane == 0 && wide != 0) atomicOr(&s.wide_mask, wide);
   }
   __syncthreads();  // also: every read of pair and of the raw gate is done
-  const int wide_mask = s.wide_mask;
   {
     // This sub-chunk's pivot (τ/2 for a narrow channel, 0 for a wide one) and rescaling factors,
     // read per channel pair and token (few live registers), and the outputs packed per pair.
@@ -673,21 +695,24 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
     }
   }
   __syncthreads();
+  // Read here rather than held across the element loop, like the thread indices.
+  const int wide_mask = s.wide_mask;
+  tid = thread_index_again(), warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
 
   // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
-  // Stage 1: every warp runs its block positions (block_position), M's blocks go
-  // straight to the record and A's stay in registers; stage 2 stores A (after the barrier, over the
-  // dead row tiles). Shared memory from here on:
+  // Stage 1: every warp runs its block positions (block_position), M's blocks go to m_tile and
+  // A's stay in registers; stage 2 stores A (after the barrier, over the dead row tiles). Shared
+  // memory from here on:
   //   ki (A rows): amat (sq_f32_index), then tinv_s (TriTile) after the off-diagonal inverse
   //   qi (M rows): linv (sq_f32_index)
-  //   sub_table (dead): scratch of the off-diagonal inverse
+  //   sub_table (dead): M's blocks on sm_90 (m_tile), then the off-diagonal inverse's scratch
   //   kj (column operand): w_s (MatTile)
   float* amat = reinterpret_cast<float*>(s.ki);
   float* linv = reinterpret_cast<float*>(s.qi);
   uint8_t* tinv_s = s.ki;
   float* scratch = &s.sub_table[0][0][0];
   uint8_t* w_s = s.kj;
-  uint8_t* mqk_rec = rec + WorkspaceLayout::kMqk;
+  uint8_t* const mqk_out = m_tile(p, s);
   const uint32_t kj_base = sm80::smem_u32(s.kj), qi_base = sm80::smem_u32(s.qi), ki_base = sm80::smem_u32(s.ki);
   const bool pair_warp = warp < kDiagonalWarpsFirst;
   const int positions = pair_warp ? 1 : 2;
@@ -710,7 +735,7 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
-        *reinterpret_cast<uint32_t*>(mqk_rec + TriTile::token_offset(i, jc)) =
+        *reinterpret_cast<uint32_t*>(mqk_out + TriTile::token_offset(i, jc)) =
             sm80::pack2<Elem>(jc <= i ? acc_m[n][2 * hh] : 0.f, jc + 1 <= i ? acc_m[n][2 * hh + 1] : 0.f);
       }
   }
@@ -731,11 +756,20 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
             make_float2(jc < i ? acc[j][n][2 * hh] * bi : 0.f, jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f);
       }
   }
+#ifdef FLASHKDA_BULK_COPY
+  sm90::fence_proxy_async();  // M's blocks in shared memory, for the copy engine
+#endif
   __syncthreads();
   if (wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
     if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, warp, s, amat);
+#ifdef FLASHKDA_BULK_COPY
+    sm90::fence_proxy_async();
+#endif
     __syncthreads();
   }
+#ifdef FLASHKDA_BULK_COPY
+  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kMqk, mqk_out, uint32_t(TriTile::kBytes));
+#endif
 
   // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
   if (warp < kSubChunks) {
@@ -758,6 +792,12 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
       }
     }
   }
+#ifdef FLASHKDA_BULK_COPY
+  if (tid == 0) {  // the scratch below overwrites M's blocks: the engine must have read them
+    sm90::bulk_commit();
+    sm90::bulk_wait_read<0>();
+  }
+#endif
   __syncthreads();
   // Off-diagonal blocks, one warp per block column b (columns are independent):
   //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
