@@ -69,7 +69,7 @@ __device__ __forceinline__ void fence_operands(float (&d)[N][4]) {
 #define FLASHKDA_REGS16 FLASHKDA_REGS8 ",%8,%9,%10,%11,%12,%13,%14,%15"
 #define FLASHKDA_REGS24 FLASHKDA_REGS16 ",%16,%17,%18,%19,%20,%21,%22,%23"
 #define FLASHKDA_REGS32 FLASHKDA_REGS24 ",%24,%25,%26,%27,%28,%29,%30,%31"
-// Operands: the accumulators (R registers), then A (4), the descriptor, scale_d and kScaleA.
+// Operands: the accumulators (4 NT), then A (4), the descriptor, scale_d and kScaleA.
 #define FLASHKDA_WGMMA_RS(N, TYPE, ACC, DREGS, A0, A1, A2, A3, DESC, PRED, SCALE)                          \
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " PRED ", 0;\n wgmma.mma_async.sync.aligned.m64n" #N \
                "k16.f32." TYPE "." TYPE " {" DREGS "}, {" A0 "," A1 "," A2 "," A3 "}, " DESC ", p, " SCALE   \
