@@ -174,7 +174,7 @@ __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
 }
 
 // Exact diagonal block of sub-chunk a (one warp): A entries (into amat, shared memory) and the
-// whole 16x16 diagonal block of M (into the record) from products of per-token decays. Lane owns
+// whole 16x16 diagonal block of M (into m_tile) from products of per-token decays. Lane owns
 // channels 4·lane .. 4·lane+3. The chunk, the heads and the record are formed again from the grid:
 // held from the start of the kernel for this rare path, they made ptxas spill in the element loop.
 template <typename Elem>
