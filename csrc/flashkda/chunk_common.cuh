@@ -35,9 +35,8 @@ __host__ __device__ __forceinline__ constexpr int record_row(int t) { return t ^
 struct TriTile {
   static constexpr int kRowBytes = kSubChunk * 2;
   static constexpr int kBlockBytes = kSubChunk * kRowBytes;
-  static constexpr int kBytes = kSubChunks * (kSubChunks + 1) / 2 * kBlockBytes;
+  static constexpr int kBytes = int(WorkspaceLayout::kTriBytes);
   static constexpr int kGroupBytes = 8 * kRowBytes;  // 8-row groups: the wgmma descriptor's SBO
-  static_assert(kBytes == WorkspaceLayout::kTriBytes, "the record's triangular matrices");
   // Byte offset of slice c: the blocks of the slices before it.
   __host__ __device__ __forceinline__ static constexpr int slice_offset(int c) { return c * (c + 1) / 2 * kBlockBytes; }
   // 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) of row `row`, record order; row / 16 <= chunk / 2.

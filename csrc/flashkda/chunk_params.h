@@ -31,9 +31,8 @@ constexpr int kMaxGridRows = 65535;
 //   w     [kChunk][kHeadDim] elem   T · (k ⊙ e^{Γ})          (Γ: log decay from the chunk start)
 //   qd    [kChunk][kHeadDim] elem   scale · q ⊙ e^{Γ}
 //   kd    [kChunk][kHeadDim] elem   k ⊙ e^{Γ_last − Γ}
-//   mqk   [kChunk][kChunk]   elem   tril((q ⊙ e^{Γ}) (k ⊙ e^{−Γ})ᵀ), formed pairwise      (TriTile)
+//   mqk   [kChunk][kChunk]   elem   tril((q ⊙ e^{Γ}) (k ⊙ e^{−Γ})ᵀ), formed pairwise
 //   tinv  [kChunk][kChunk]   elem   T = (I + A)⁻¹ diag(β),  A = strict_tril(diag(β) (k e^{Γ})(k e^{−Γ})ᵀ)
-//                                                                                          (TriTile)
 //   decay [kHeadDim]         fp32   e^{Γ_last}
 // The chunk's output and state update are then  U = T v − w S,  O = qd S + mqk U,
 // S ← decay ⊙ S + kdᵀ U  (KDA_SPEC "Reading").
