@@ -55,9 +55,10 @@ struct TriTile {
 static_assert(TriTile::slice_offset(kSubChunks) == TriTile::kBytes, "the slices fill the tile");
 static_assert(TriTile::kBlockBytes % 256 == 0, "every slice starts on a 256-byte swizzle atom");
 
-// Overlapped launches (kernel_launch.cuh): chunk_prepare and the first chunk_recurrence pass are
-// launched with programmatic stream serialization on sm_90 images and wait for the prior grid
-// before touching global memory; chunk_index and chunk_prepare let the next grid start once they run.
+// Overlapped launches (kernel_launch.cuh): chunk_index, chunk_prepare and the first chunk_recurrence
+// pass are launched with programmatic stream serialization on sm_90 images and wait for the prior
+// grid before touching global memory (chunk_recurrence reads its initial state and the varlen order
+// before: see there); each lets the next grid start once its own wait has returned.
 
 struct SeqSpan {
   int64_t batch;  // batch row of the token tensors

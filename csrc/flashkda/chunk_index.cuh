@@ -13,6 +13,9 @@ namespace flashkda {
 namespace chunk {
 
 constexpr int kIndexThreads = 1024;
+// Batches of up to this many sequences keep the offsets in shared memory as well, where the slot
+// search and the ordering read them (global memory only for more: 16 KB).
+constexpr int kIndexSmemSeqs = 4096;
 
 // Sort keys of the longest-first order: a chunk count rounded down to its leading bit and the two
 // bits below it (0 for an empty sequence), so 4 keys per octave, at most 4 · 30 + 4 < 128.
@@ -28,11 +31,16 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
   __shared__ int warp_total[kIndexThreads / 32];
   __shared__ int carry;
   __shared__ int key_start[kOrderKeys];
+  __shared__ int offsets_s[kIndexSmemSeqs + 1];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  allow_next_grid();  // chunk_prepare may launch; it waits for this grid before reading the index
+  const bool cached = p.N <= kIndexSmemSeqs;
+  auto offset = [&](int n) { return cached ? offsets_s[n] : p.chunk_offsets[n]; };
+  wait_prior_grid();  // the grid before (launch_overlapped): cu_seqlens, and readers of the last workspace
+  allow_next_grid();  // chunk_prepare may launch (after the wait: kernel_launch.cuh); it waits for this grid
   if (tid == 0) {
     carry = 0;
     p.chunk_offsets[0] = 0;
+    offsets_s[0] = 0;
   }
   __syncthreads();
   for (int base = 0; base < p.N; base += kIndexThreads) {
@@ -51,26 +59,30 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
     }
     __syncthreads();
     const int value = carry + x + (warp > 0 ? warp_total[warp - 1] : 0);
-    if (n < p.N) p.chunk_offsets[n + 1] = value;
+    if (n < p.N) {
+      p.chunk_offsets[n + 1] = value;
+      if (cached) offsets_s[n + 1] = value;
+    }
     __syncthreads();
     if (tid == kIndexThreads - 1) carry = value;
     __syncthreads();
   }
   // Slot -> (sequence, chunk) by a binary search over the offsets just written (visible to the
   // whole block after the barrier above).
-  const int total = p.chunk_offsets[p.N];
+  const int total = offset(p.N);
   for (int slot = tid; slot < p.num_chunk_slots; slot += kIndexThreads) {
     int64_t word = 0;
     if (slot < total) {
-      int lo = 0, hi = p.N;  // chunk_offsets[lo] <= slot < chunk_offsets[hi]
+      int lo = 0, hi = p.N;  // offset(lo) <= slot < offset(hi)
       while (hi - lo > 1) {
         const int mid = (lo + hi) >> 1;
-        if (p.chunk_offsets[mid] <= slot) lo = mid; else hi = mid;
+        if (offset(mid) <= slot) lo = mid; else hi = mid;
       }
-      const SeqSpan seq = sequence_span(p, lo);
-      const int64_t first = int64_t(slot - p.chunk_offsets[lo]) * kChunk;
-      const int64_t rest = seq.len - first;
-      word = pack_slot_chunk(seq.bos + first, rest < kChunk ? int(rest) : kChunk);
+      int64_t bos, len;
+      varlen_bounds(p, lo, bos, len);
+      const int64_t first = int64_t(slot - offset(lo)) * kChunk;
+      const int64_t rest = len - first;
+      word = pack_slot_chunk(bos + first, rest < kChunk ? int(rest) : kChunk);
     }
     p.slot_chunks[slot] = word;
   }
@@ -81,7 +93,7 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
   // whatever the atomics give, which no result depends on).
   for (int b = tid; b < kOrderKeys; b += kIndexThreads) key_start[b] = 0;
   __syncthreads();
-  for (int n = tid; n < p.N; n += kIndexThreads) atomicAdd(&key_start[order_key(p.chunk_offsets[n + 1] - p.chunk_offsets[n])], 1);
+  for (int n = tid; n < p.N; n += kIndexThreads) atomicAdd(&key_start[order_key(offset(n + 1) - offset(n))], 1);
   __syncthreads();
   if (warp == 0) {  // key b starts after the sequences of every key above it: a suffix scan, 4 keys per lane
     static_assert(kOrderKeys == 4 * 32, "four keys per lane");
@@ -103,8 +115,8 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
   }
   __syncthreads();
   for (int n = tid; n < p.N; n += kIndexThreads) {
-    const int first = p.chunk_offsets[n];
-    const int pos = atomicAdd(&key_start[order_key(p.chunk_offsets[n + 1] - first)], 1);
+    const int first = offset(n);
+    const int pos = atomicAdd(&key_start[order_key(offset(n + 1) - first)], 1);
     int64_t bos, len;
     varlen_bounds(p, n, bos, len);
     reinterpret_cast<int4*>(p.ordered_spans)[pos] = make_int4(n, first, int(bos), int(len));
@@ -114,8 +126,10 @@ __global__ void __launch_bounds__(kIndexThreads) chunk_index_kernel(const ChunkP
 }  // namespace chunk
 
 cudaError_t run_chunk_index(const ChunkParams& p, cudaStream_t stream) {
-  chunk::chunk_index_kernel<<<1, chunk::kIndexThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  static const bool sm90 = has_sm90_image(chunk::chunk_index_kernel);
+  const cudaError_t err = launch_overlapped(sm90, chunk::chunk_index_kernel, dim3(1), dim3(chunk::kIndexThreads), 0,
+                                            stream, p);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace flashkda

@@ -240,15 +240,18 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     };
     // chunk_prepare's records. The initial state and the varlen order above are read before it,
     // while chunk_prepare drains: chunk_prepare allows this grid only after its own wait, so what
-    // they come from has completed (kernel_launch.cuh); a later launch of the same pass (more than
-    // kMaxGridRows rows) starts only when the one before has left. The segment output pass is not
-    // overlapped.
+    // they come from has completed (kernel_launch.cuh). The segment output pass is not overlapped.
     wait_prior_grid();
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) issue(i);
     for (int64_t i = 0; i < j1 - j0; ++i) {
       const int64_t j = j0 + i;
       Stage& st = stages[i % kStages];
+      // The next grid may launch once every block is in its last chunk (after this grid's wait: a
+      // later launch of the same pass, for more than kMaxGridRows rows, reads only what came before
+      // this one ahead of its own wait): the next call's first kernel is then resident on the SMs
+      // that the last wave leaves free, and starts as soon as this grid ends.
+      if (i + 1 == j1 - j0) allow_next_grid();
       __syncthreads();  // every warp is done with the stage that the next load overwrites
       issue(i + kStages - 1);
       sm80::cp_async_wait<kStages - 1>();
@@ -447,8 +450,8 @@ cudaError_t launch_recurrence_variant(const ChunkParams& p, cudaStream_t stream)
   // launched plainly.
   static const bool sm90 = has_sm90_image(kernel);
   const bool overlapped = sm90 && p.recurrence_pass != RecurrencePass::kSegmentOutput;
-  // Grid z holds at most kMaxGridRows rows: more sequences take several launches (each after the
-  // previous one: they do not let the next grid start early).
+  // Grid z holds at most kMaxGridRows rows: more sequences take several launches (each waits for
+  // the previous one before it loads a record).
   ChunkParams rows = p;
   for (int64_t first = 0; first < blocks_n; first += kMaxGridRows) {
     rows.first_grid_row = int32_t(first);
