@@ -30,6 +30,7 @@
 #include "bulk_sm90.cuh"
 #include "chunk_common.cuh"
 #include "chunk_params.h"
+#include "constants.h"
 #include "mma_sm80.cuh"
 #include "token_math.cuh"
 
@@ -42,6 +43,7 @@ constexpr int kPrepareThreads = 256;
 // upper triangle (up to e^{|τ|}), stays finite in fp32 (e^{88.7}). 80.5 covers the lower-bound
 // gate (at most 16 · 5 = 80).
 constexpr float kMaxSubchunkLogSpan = 80.5f;
+static_assert(-kLowerBoundMin * kSubChunk < kMaxSubchunkLogSpan, "no sub-chunk of the lower-bound gate is wide");
 // Operand type of the A / M products (see above).
 using OpElem = __nv_bfloat16;
 // Three blocks of 8 warps per SM on sm_90 (at most 80 registers and 75 KB of shared memory each):
@@ -348,17 +350,18 @@ __device__ __forceinline__ void pair_block_product(float (&acc_a)[2][4], float (
 
 // Gate forms compiled apart (run_chunk_prepare picks one per call). kGeneric reads the gate's mode,
 // dtype and form (per channel or scalar) at run time; kLowerBound16 is the lower-bound gate on a
-// 16-bit per-channel g with a bound that keeps every sub-chunk narrow (|τ| <= 16 |lower_bound| <=
-// 80 < kMaxSubchunkLogSpan), the common serving form: those branches and the exact diagonal path
+// 16-bit per-channel g with a bound in the contract's [kLowerBoundMin, 0), which keeps every
+// sub-chunk narrow (|τ| <= 16 |lower_bound| <= 80 < kMaxSubchunkLogSpan; the API rejects other
+// bounds), the common serving form: those branches and the exact diagonal path
 // fold away, and fewer values stay live at the element loop's register edge (H200 harness,
 // T = 8192, H = 96: 0.522 → 0.508 ms, records bitwise the same).
 enum class PrepareGate : int { kGeneric = 0, kLowerBound16 = 1 };
 
 inline PrepareGate prepare_gate(const ChunkParams& p) {
   const bool bits16 = p.g_dtype == DType::kBFloat16 || p.g_dtype == DType::kFloat16;
-  const bool narrow = -p.lower_bound * kSubChunk <= kMaxSubchunkLogSpan - 0.5f;
-  return p.gate_mode == GateMode::kLowerBound && !p.scalar_gate && bits16 && narrow ? PrepareGate::kLowerBound16
-                                                                                     : PrepareGate::kGeneric;
+  return p.gate_mode == GateMode::kLowerBound && p.lower_bound >= kLowerBoundMin && !p.scalar_gate && bits16
+             ? PrepareGate::kLowerBound16
+             : PrepareGate::kGeneric;
 }
 
 // The gate's form as kGate fixes it, else from the params.
