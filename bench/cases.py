@@ -27,5 +27,18 @@ DECODE_BF16_POOL_REQUIRED_MS = {256: 0.15}
 HOST_OVERHEAD_REQUIRED_US = 20.0
 
 
+# FLA's own KDAForCausalLM end to end (bench/e2e_fla_model.py), with and without flashkda as its
+# backend: every KDA call served, the prompt forward at most this fraction of FLA's, generate no slower.
+E2E_GATES = ("lower_bound", "softplus")
+E2E_PREFILL_MAX_RATIO = 0.80
+# A decode call through FLA's registry: at most this much more host time than the direct call
+# (bench/fla_dispatch.py).
+FLA_DISPATCH_EXTRA_US = 10.0
+
+
+def e2e_case(gate: str) -> str:
+    return f"e2e_fla_kda_model_{gate}"
+
+
 def decode_case(N: int) -> str:
     return f"decode_N{N}_H{DECODE_HEADS}"

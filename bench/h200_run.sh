@@ -13,6 +13,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, PREPARE_CLOCKS=1 the
 # tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the chunk
 # tests, the sanitizers and prefill_quick)
+# | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
+# bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
 # chunk_prepare, chunk_recurrence and the sm_90 decode kernel).
@@ -115,6 +117,14 @@ if [[ $what == prefill || $what == fla ]]; then
     -p no:cacheprovider --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -3
   python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" \
     ${PREFILL_MARK+--plot "$OUT/prefill_vs_T.png"} || rc=1
+fi
+if [[ $what == e2e ]]; then  # the FLA drop-in: TESTS, FLA's dispatch host cost, FLA's KDA model end to end
+  export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
+  timeout ${TEST_LIMIT:-240} python3 -m pytest -q ${TESTS:-tests/test_fla_conventions.py tests/test_fla_backend.py} \
+    -m "${TEST_MARK-not slow and not fla_compile}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider 2>&1 | tail -12
+  timeout 150 python3 bench/fla_dispatch.py --json "$OUT/dispatch.json" 2>&1 | grep -v -i warn | tail -4
+  timeout ${E2E_LIMIT:-360} python3 bench/e2e_fla_model.py --json "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 \
+    | grep -v -i warn | tail -14
 fi
 if [[ $what == all || $what == bench ]]; then
   # FLASHKDA_FLA_BACKEND=0: the FLA baselines must run FLA itself, not flashkda registered inside it.

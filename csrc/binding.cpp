@@ -129,8 +129,8 @@ void check_token_tensors(const at::Tensor& q, const at::Tensor& k, const at::Ten
               "flashkda: kernel head dims are K == V in {64, 128}");
   for (const auto& [t, name] : {std::pair{opt(A_log), "A_log"}, std::pair{opt(dt_bias), "dt_bias"}}) {
     if (t == nullptr) continue;
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "flashkda: ", name,
-                " must be contiguous float32");
+    TORCH_CHECK(kernel_elem(t->scalar_type()) && t->is_contiguous(), "flashkda: ", name,
+                " must be contiguous float32, bfloat16 or float16");
     check_cuda(*t, q, name);
   }
   if (cu_seqlens.has_value()) {
@@ -173,8 +173,8 @@ void set_token_params(RecurrentParams& p, const at::Tensor& q, const at::Tensor&
   p.l2norm = l2norm;
   p.beta_sigmoid = beta_sigmoid;
   p.state_v_first = state_v_first;
-  if (A_log != nullptr) p.A_log = static_cast<const float*>(A_log->data_ptr());
-  if (dt_bias != nullptr) p.dt_bias = static_cast<const float*>(dt_bias->data_ptr());
+  if (A_log != nullptr) p.A_log = A_log->data_ptr(), p.A_log_dtype = to_dtype(*A_log, "A_log");
+  if (dt_bias != nullptr) p.dt_bias = dt_bias->data_ptr(), p.dt_bias_dtype = to_dtype(*dt_bias, "dt_bias");
   if (cu_seqlens != nullptr) {
     p.cu_seqlens = cu_seqlens->data_ptr();
     p.cu_type = to_index_type(*cu_seqlens, "cu_seqlens");
@@ -387,15 +387,15 @@ const char* check(PyObject* const* a, Call& c) {
   if (!optional_tensor(a[kDtBias], &c.dt_bias)) return "dt_bias: not a plain strided tensor";
   if (c.use_gate) {
     if (const at::Tensor* t = c.A_log) {
-      if (t->scalar_type() != at::kFloat || t->dim() != 1 || t->size(0) != HV || t->device() != dev ||
-          !t->is_contiguous())
-        return "A_log: not a contiguous float32 [HV] beside q";
+      if (!kernel_elem(t->scalar_type()) || t->numel() != HV || t->device() != dev || !t->is_contiguous())
+        return "A_log: not a contiguous float32/bfloat16/float16 tensor of HV elements beside q";
     }
     if (const at::Tensor* t = c.dt_bias) {
-      const bool shape = t->dim() == 1 ? t->size(0) == (c.scalar_gate ? HV : HV * K)
-                                       : !c.scalar_gate && t->dim() == 2 && t->size(0) == HV && t->size(1) == K;
-      if (t->scalar_type() != at::kFloat || !shape || t->device() != dev || !t->is_contiguous())
-        return "dt_bias: not a contiguous float32 [HV*K], [HV, K] (KDA) or [HV] (GDN) beside q";
+      const bool shape = c.scalar_gate ? t->numel() == HV
+                                       : t->dim() == 1 ? t->size(0) == HV * K
+                                                       : t->dim() == 2 && t->size(0) == HV && t->size(1) == K;
+      if (!kernel_elem(t->scalar_type()) || !shape || t->device() != dev || !t->is_contiguous())
+        return "dt_bias: not a contiguous float32/bfloat16/float16 [HV*K], [HV, K] (KDA) or HV values (GDN) beside q";
     }
     c.gate_mode = has_lower_bound ? GateMode::kLowerBound : GateMode::kSoftplus;
     c.lower_bound = lower_bound;
@@ -454,18 +454,50 @@ PyObject* new_ref(PyObject* o) {
   return o;
 }
 
+// The arguments of fused_recurrent / fused_recurrent_check, checked: null when they cannot be
+// checked (a wrong count; the Python error is set), else why the kernel cannot take them as given
+// (the empty string: it can).
+const char* checked_call(const char* fn, PyObject* const* args, Py_ssize_t nargs, Call& c) {
+  if (nargs != kNumArgs) {
+    PyErr_Format(PyExc_TypeError, "flashkda: %s takes %d positional arguments, got %zd", fn, int(kNumArgs), nargs);
+    return nullptr;
+  }
+  const char* why = check(args, c);
+  return why != nullptr ? why : "";
+}
+
+// The module function fused_recurrent_check: fused_recurrent's checks alone (nothing launches).
+// None when fused_recurrent would launch with these arguments, else the str it would return. The
+// FLA backend's verifier asks it, so that a served decode call pays for the checks in C++.
+PyObject* fused_recurrent_check(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    Call c;
+    const char* why = checked_call("fused_recurrent_check", args, nargs, c);
+    if (why == nullptr) return nullptr;
+    if (*why != '\0') return PyUnicode_FromString(why);
+    Py_RETURN_NONE;
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyMethodDef fused_recurrent_check_def = {
+    "fused_recurrent_check",
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fused_recurrent_check)), METH_FASTCALL,
+    "fused_recurrent_check(<the arguments of fused_recurrent>, /)\n--\n\n"
+    "None when fused_recurrent would launch the kernel with these arguments, else the str saying why not; "
+    "launches nothing."};
+
 // The module function fused_recurrent (signature and doc: fused_recurrent_def). A plain CPython
 // function (METH_FASTCALL): no argument conversion layer, and the outputs that the caller passed in
 // come back as the same Python objects.
 PyObject* fused_recurrent(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != kNumArgs) {
-      PyErr_Format(PyExc_TypeError, "flashkda: fused_recurrent takes %d positional arguments, got %zd",
-                   int(kNumArgs), nargs);
-      return nullptr;
-    }
     Call c;
-    if (const char* why = check(args, c)) return PyUnicode_FromString(why);
+    const char* why = checked_call("fused_recurrent", args, nargs, c);
+    if (why == nullptr) return nullptr;
+    if (*why != '\0') return PyUnicode_FromString(why);
 
     const at::Tensor& q = *c.q;
     const bool serving = c.indices != nullptr;
@@ -545,8 +577,13 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first,
                int64_t value_split, int64_t segment_chunks) {
   check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
+  // chunk_prepare reads fp32 gate parameters (fp32_a_log in chunk_prepare.cuh says why).
+  auto fp32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    return t.has_value() && t->scalar_type() != at::kFloat ? std::optional<at::Tensor>(t->to(at::kFloat)) : t;
+  };
+  const std::optional<at::Tensor> A_log32 = fp32(A_log), dt_bias32 = fp32(dt_bias);
   ChunkParams p{};
-  set_token_params(p, q, k, v, g, beta, opt(A_log), opt(dt_bias), opt(cu_seqlens), o, scale,
+  set_token_params(p, q, k, v, g, beta, opt(A_log32), opt(dt_bias32), opt(cu_seqlens), o, scale,
                    static_cast<GateMode>(gate_mode), lower_bound, l2norm, beta_sigmoid, allow_neg_eigval,
                    state_v_first);
   TORCH_CHECK(p.D == chunk::kHeadDim, "flashkda: the chunked kernels take K == V == ", chunk::kHeadDim);
@@ -681,4 +718,8 @@ PYBIND11_MODULE(_C, m) {
       PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();
   m.add_object("fused_recurrent", pybind11::reinterpret_steal<pybind11::object>(fused_recurrent));
+  PyObject* fused_recurrent_check =
+      PyCFunction_NewEx(&flashkda::fast::fused_recurrent_check_def, nullptr, m.attr("__name__").ptr());
+  if (fused_recurrent_check == nullptr) throw pybind11::error_already_set();
+  m.add_object("fused_recurrent_check", pybind11::reinterpret_steal<pybind11::object>(fused_recurrent_check));
 }

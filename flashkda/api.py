@@ -119,14 +119,18 @@ def _validate(
     if use_gate_in_kernel:
         if A_log is not None:
             A_log = _tensor(A_log, "A_log")
-            _dtype(A_log, "A_log", (torch.float32, torch.float64))
-            _shape(A_log, "A_log", (HV,), "[HV]")
+            _dtype(A_log, "A_log", _FLOAT_TYPES)
+            if A_log.numel() != HV:
+                raise ValueError(f"flashkda: A_log must hold HV = {HV} elements (shape [HV], [1, 1, HV, 1] or "
+                                 f"[HV, 1]), got shape {list(A_log.shape)}")
             _device(A_log, "A_log", dev)
         if dt_bias is not None:
             dt_bias = _tensor(dt_bias, "dt_bias")
-            _dtype(dt_bias, "dt_bias", (torch.float32, torch.float64))
+            _dtype(dt_bias, "dt_bias", _FLOAT_TYPES)
             if scalar_gate:
-                _shape(dt_bias, "dt_bias", (HV,), "[HV]")
+                if dt_bias.numel() != HV:
+                    raise ValueError(f"flashkda: dt_bias must hold HV = {HV} elements ([HV]), got shape "
+                                     f"{list(dt_bias.shape)}")
             elif tuple(dt_bias.shape) not in ((HV * K,), (HV, K)):
                 raise ValueError(f"flashkda: dt_bias must have shape [HV*K] = [{HV * K}] or [HV, K] = "
                                  f"[{HV}, {K}], got {list(dt_bias.shape)}")
@@ -231,32 +235,41 @@ def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) 
         return f"CUDA extension not available ({_ext.EXTENSION_ERROR})"
     if p.K != p.V or p.K not in C.KERNEL_HEAD_DIMS:
         return f"head dims K={p.K}, V={p.V} (kernels: K == V in {C.KERNEL_HEAD_DIMS})"
-    if q.dtype not in _KERNEL_TYPES or g.dtype not in _KERNEL_TYPES or beta.dtype not in _KERNEL_TYPES:
+    if q.dtype not in _KERNEL_TYPES:
         return "float64 inputs"
     if initial_state is not None and initial_state.dtype not in (torch.float32, torch.bfloat16):
         return f"initial_state dtype {initial_state.dtype}"
     # Data pointers are not traceable; under torch.compile the binding's check stands guard.
     if initial_state is not None and not torch.compiler.is_compiling() and initial_state.data_ptr() % 16 != 0:
         return "initial_state not 16-byte aligned (the kernels move states in 16-byte pieces)"
-    for t, n in ((A_log, "A_log"), (dt_bias, "dt_bias")):
-        if t is not None and t.dtype != torch.float32:
-            return f"{n} dtype {t.dtype}"
     return None
+
+
+def _kernel_float(x: torch.Tensor) -> torch.Tensor:
+    """g or beta as the kernels read them: in their own dtype, float64 (beside 16-bit or fp32 q) as a
+    float32 copy (FLA's kernels also read them in fp32)."""
+    return x.float() if x.dtype == torch.float64 else x
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
 
 
+def _kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A gate parameter as the kernels read it: flat and contiguous (a view when it already is), in
+    its own dtype; float64, which the kernels do not read, as a float32 copy."""
+    if t is None:
+        return None
+    if t.dim() != 1 or not t.is_contiguous():
+        t = t.reshape(-1).contiguous()
+    return t.float() if t.dtype == torch.float64 else t
+
+
 def _gate_params(p: _Problem, A_log, dt_bias):
-    """A_log / dt_bias as the kernels take them: dropped for a precomputed gate, contiguous, flat."""
+    """A_log / dt_bias as the kernels take them: dropped for a precomputed gate, else _kernel_param."""
     if p.gate_mode == GATE_PRECOMPUTED:
         return None, None
-    if A_log is not None and not A_log.is_contiguous():
-        A_log = A_log.contiguous()
-    if dt_bias is not None and (dt_bias.dim() != 1 or not dt_bias.is_contiguous()):
-        dt_bias = dt_bias.reshape(-1).contiguous()
-    return A_log, dt_bias
+    return _kernel_param(A_log), _kernel_param(dt_bias)
 
 
 def _states(p: _Problem, initial_state, output_final_state, state_v_first, device):
@@ -273,7 +286,7 @@ def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seql
                           output_final_state, l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first,
                           ssm_state_indices, num_accepted_tokens, out):
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    g, beta = _last_dim_contiguous(g), _last_dim_contiguous(beta)
+    g, beta = _last_dim_contiguous(_kernel_float(g)), _last_dim_contiguous(_kernel_float(beta))
     o = out if out is not None else torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     if cu_seqlens is not None:
@@ -322,8 +335,9 @@ def _aligned16(x: torch.Tensor) -> torch.Tensor:
 def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,
                       l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first):
     q, k, v = _aligned16(q), _aligned16(k), _aligned16(v)
+    g = _kernel_float(g)
     g = _aligned16(g) if g.dim() == 4 else _last_dim_contiguous(g)
-    beta = _last_dim_contiguous(beta)
+    beta = _last_dim_contiguous(_kernel_float(beta))
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     h0, ht = _states(p, initial_state, output_final_state, state_v_first, q.device)
@@ -341,20 +355,40 @@ def _reference(p: _Problem, reason: str, q, k, v, g, beta, **kw):
     return kda_reference(q, k, v, g, beta, scale=p.scale, **kw)
 
 
-def _state_v_first(state_v_first: bool, kwargs: dict) -> bool:
-    if "transpose_state_layout" in kwargs:
-        warnings.warn("flashkda: transpose_state_layout is deprecated; use state_v_first",
-                      DeprecationWarning, stacklevel=3)
-        return bool(kwargs.pop("transpose_state_layout")) or state_v_first
-    return state_v_first
+def _state_v_first(state_v_first: bool, transpose_state_layout) -> bool:
+    """``state_v_first``, or its deprecated alias ``transpose_state_layout`` (FLA's rules)."""
+    if transpose_state_layout is None:
+        return state_v_first
+    if state_v_first:
+        raise ValueError("flashkda: pass state_v_first or the deprecated transpose_state_layout, not both")
+    warnings.warn("flashkda: transpose_state_layout is deprecated; use state_v_first", DeprecationWarning,
+                  stacklevel=4)
+    return bool(transpose_state_layout)
+
+
+#: Chunk sizes that FLA's chunked functions accept (KDA, GDN). The result does not depend on it:
+#: flashkda's kernels always work in 64-token chunks.
+_KDA_CHUNK_SIZES, _GDN_CHUNK_SIZES = (32, 64), (16, 32, 64)
+
+
+def _fla_chunk_options(fn: str, chunk_sizes, chunk_size, return_intermediate_states, cp_context, use_graph,
+                       max_num_seqs, cu_seqlens) -> None:
+    """FLA's keywords of the chunked functions: checked as FLA checks them; none changes the result."""
+    if chunk_size not in chunk_sizes:
+        raise ValueError(f"flashkda: chunk_size must be one of {chunk_sizes} for {fn}, got {chunk_size!r}")
+    if return_intermediate_states:
+        raise NotImplementedError(f"flashkda: {fn}(return_intermediate_states=True) is not supported")
+    if cp_context is not None:
+        raise NotImplementedError(f"flashkda: {fn} does not support context parallelism (cp_context)")
+    if (use_graph and max_num_seqs is not None and isinstance(cu_seqlens, torch.Tensor)
+            and cu_seqlens.shape[0] - 1 != max_num_seqs):
+        raise ValueError(f"flashkda: use_graph with max_num_seqs={max_num_seqs} needs cu_seqlens of "
+                         f"max_num_seqs + 1 entries, got {cu_seqlens.shape[0]}")
 
 
 def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first,
-           cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, kwargs):
-    state_v_first = _state_v_first(state_v_first, kwargs)
-    if kwargs:
-        log.debug("flashkda: %s ignores keyword arguments %s", fn, sorted(kwargs))
+           cu_seqlens, cu_seqlens_cpu, A_log, dt_bias):
     p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
                   A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
@@ -382,10 +416,7 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
 
 def _recurrent(fn, scalar_gate, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out, kwargs):
-    state_v_first = _state_v_first(state_v_first, kwargs)
-    if kwargs:
-        log.debug("flashkda: %s ignores keyword arguments %s", fn, sorted(kwargs))
+               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out):
     p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                   dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -427,35 +458,47 @@ _ARGS_DOC = """
         state_v_first: states are ``[..., V, K]`` instead of ``[..., K, V]``.
         cu_seqlens: int32/int64 ``[N+1]`` offsets of packed sequences (then ``B == 1``); zero-length
             sequences pass their state through.
-        A_log: float32 ``[HV]``; ``exp(A_log)`` scales the gate (1 when None).
-        dt_bias: float32 {dt_doc}; added to raw ``g`` (zero when None).
+        A_log: ``HV`` values in any shape (``[HV]``, ``[1, 1, HV, 1]``, ``[HV, 1]``) and any float dtype;
+            ``exp(A_log)`` scales the gate (1 when None). The kernels read it in its own dtype.
+        dt_bias: {dt_doc}, any float dtype; added to raw ``g`` (zero when None).
+        transpose_state_layout: deprecated alias of ``state_v_first`` (keyword only).
 """
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-              cu_seqlens_cpu=None, A_log=None, dt_bias=None, **kwargs):
+              cu_seqlens_cpu=None, A_log=None, dt_bias=None, *, chunk_size=64, disable_recompute=False,
+              return_intermediate_states=False, cp_context=None, use_graph=False, max_num_seqs=None,
+              transpose_state_layout=None):
+    state_v_first = _state_v_first(state_v_first, transpose_state_layout)
+    _fla_chunk_options("chunk_kda", _KDA_CHUNK_SIZES, chunk_size, return_intermediate_states, cp_context, use_graph,
+                       max_num_seqs, cu_seqlens)
     return _chunk("chunk_kda", False, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, kwargs)
+                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                            allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False,
-                           cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, **kwargs):
+                           cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, *, chunk_size=64,
+                           disable_recompute=False, return_intermediate_states=False, cp_context=None,
+                           use_graph=False, max_num_seqs=None, chunk_indices=None, transpose_state_layout=None):
+    state_v_first = _state_v_first(state_v_first, transpose_state_layout)
+    _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, return_intermediate_states,
+                       cp_context, use_graph, max_num_seqs, cu_seqlens)
     return _chunk("chunk_gated_delta_rule", True, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, kwargs)
+                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                         state_v_first=False, cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
-                        out=None, **kwargs):
-    if _fast is not None and not kwargs and not (_ext.config.force_reference or _ext.config.debug) \
+                        out=None, *, transpose_state_layout=None):
+    if _fast is not None and transpose_state_layout is None and not (_ext.config.force_reference or _ext.config.debug) \
             and not _is_compiling():
         r = _fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
@@ -465,16 +508,21 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
         log.debug("flashkda: fused_recurrent_kda takes the general path: %s", r)
     return _recurrent("fused_recurrent_kda", False, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                      allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, ssm_state_indices,
-                      num_accepted_tokens, out, kwargs)
+                      allow_neg_eigval, lower_bound, _state_v_first(state_v_first, transpose_state_layout),
+                      cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
                                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                                     ssm_state_indices=None, num_accepted_tokens=None, out=None, **kwargs):
-    if _fast is not None and not kwargs and not (_ext.config.force_reference or _ext.config.debug) \
+                                     ssm_state_indices=None, num_accepted_tokens=None, out=None, *, gk=None, gv=None,
+                                     transpose_state_layout=None):
+    for name, t in (("gk", gk), ("gv", gv)):
+        if t is not None:
+            raise NotImplementedError(f"flashkda: fused_recurrent_gated_delta_rule does not support {name} "
+                                      "(per-key / per-value gates; fused_recurrent_kda takes a per-key gate)")
+    if _fast is not None and transpose_state_layout is None and not (_ext.config.force_reference or _ext.config.debug) \
             and not _is_compiling():
         r = _fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
@@ -484,14 +532,21 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None,
         log.debug("flashkda: fused_recurrent_gated_delta_rule takes the general path: %s", r)
     return _recurrent("fused_recurrent_gated_delta_rule", True, q, k, v, g, beta, A_log, dt_bias, scale,
                       initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                      use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
-                      ssm_state_indices, num_accepted_tokens, out, kwargs)
+                      use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+                      _state_v_first(state_v_first, transpose_state_layout), cu_seqlens, ssm_state_indices,
+                      num_accepted_tokens, out)
 
 
 _CHUNK_EXTRA = """
         safe_gate: a promise that every log decay is ``>= lower_bound``; may select a faster kernel,
             never a different result.
         cu_seqlens_cpu: a host copy of ``cu_seqlens``, used for checks without a device sync.
+
+    FLA's keywords, keyword only, none of which changes the result: ``chunk_size`` ({chunk_sizes}, as
+    FLA accepts; others raise ValueError), ``disable_recompute`` and ``use_graph`` / ``max_num_seqs``
+    (options of FLA's training and graph paths; ``max_num_seqs`` is checked against ``cu_seqlens`` as
+    FLA does){gdn_extra}. ``return_intermediate_states=True`` and a ``cp_context`` raise
+    NotImplementedError. Any other keyword raises TypeError.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in the dtype of ``v``; ``final_state`` as described
@@ -507,7 +562,7 @@ _RECURRENT_EXTRA = """
             token) is skipped, nothing is written, its output is zero. On CUDA a slot beyond the pool is
             skipped the same way (``FLASHKDA_DEBUG=1`` raises instead).
         num_accepted_tokens: int32/int64 ``[N]``, speculative decoding (with ``[N, T_max]`` indices).
-        out: optional ``[B, T, HV, V]`` contiguous buffer (dtype of ``v``) that receives the output.
+        out: optional ``[B, T, HV, V]`` contiguous buffer (dtype of ``v``) that receives the output.{gdn_extra}
 
     Returns:
         ``(o, final_state)``. In serving mode ``final_state`` is the pool itself; otherwise a new float32
@@ -520,11 +575,16 @@ _KDA_DT = "``[HV*K]`` or ``[HV, K]``"
 _GDN_DT = "``[HV]``"
 
 chunk_kda.__doc__ = ("Chunked prefill of Kimi Delta Attention (per-channel decay)." +
-                     _ARGS_DOC.format(g_doc=_KDA_G, dt_doc=_KDA_DT, eps=C.L2NORM_EPS) + _CHUNK_EXTRA)
+                     _ARGS_DOC.format(g_doc=_KDA_G, dt_doc=_KDA_DT, eps=C.L2NORM_EPS) +
+                     _CHUNK_EXTRA.format(chunk_sizes=_KDA_CHUNK_SIZES, gdn_extra=""))
 chunk_gated_delta_rule.__doc__ = ("Chunked prefill of Gated DeltaNet (one scalar decay per head)." +
-                                  _ARGS_DOC.format(g_doc=_GDN_G, dt_doc=_GDN_DT, eps=C.L2NORM_EPS) + _CHUNK_EXTRA)
+                                  _ARGS_DOC.format(g_doc=_GDN_G, dt_doc=_GDN_DT, eps=C.L2NORM_EPS) +
+                                  _CHUNK_EXTRA.format(chunk_sizes=_GDN_CHUNK_SIZES,
+                                                      gdn_extra=", ``chunk_indices`` (derived from ``cu_seqlens``)"))
 fused_recurrent_kda.__doc__ = ("Token-by-token KDA (decode, speculative verification), with a serving slot pool." +
-                               _ARGS_DOC.format(g_doc=_KDA_G, dt_doc=_KDA_DT, eps=C.L2NORM_EPS) + _RECURRENT_EXTRA)
-fused_recurrent_gated_delta_rule.__doc__ = ("Token-by-token Gated DeltaNet with a serving slot pool." +
-                                            _ARGS_DOC.format(g_doc=_GDN_G, dt_doc=_GDN_DT, eps=C.L2NORM_EPS) +
-                                            _RECURRENT_EXTRA)
+                               _ARGS_DOC.format(g_doc=_KDA_G, dt_doc=_KDA_DT, eps=C.L2NORM_EPS) +
+                               _RECURRENT_EXTRA.format(gdn_extra=""))
+fused_recurrent_gated_delta_rule.__doc__ = (
+    "Token-by-token Gated DeltaNet with a serving slot pool." +
+    _ARGS_DOC.format(g_doc=_GDN_G, dt_doc=_GDN_DT, eps=C.L2NORM_EPS) +
+    _RECURRENT_EXTRA.format(gdn_extra="\n        gk, gv: FLA's per-key / per-value gates (keyword only): None, else NotImplementedError."))

@@ -63,7 +63,7 @@ def preprocess(
         per_channel = g.dim() == 4
         if dt_bias is not None:
             g = g + dt_bias.to(dtype).reshape((hv, -1) if per_channel else (hv,))
-        a = torch.ones(hv, dtype=dtype, device=g.device) if A_log is None else A_log.to(dtype).exp()
+        a = torch.ones(hv, dtype=dtype, device=g.device) if A_log is None else A_log.to(dtype).reshape(hv).exp()
         if per_channel:
             a = a[:, None]
         if lower_bound is not None:

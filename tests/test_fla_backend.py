@@ -128,8 +128,8 @@ def test_verifiers_reject_autograd():
 @pytest.mark.parametrize("option, word", [
     (dict(return_intermediate_states=True), "return_intermediate_states"),
     (dict(cp_context=object()), "cp_context"),
-    (dict(disable_recompute=True), "disable_recompute"),
-    (dict(chunk_size=32), "chunk_size"),
+    (dict(chunk_size=128), "chunk_size"),
+    (dict(foo=1), "foo"),
     (dict(state_v_first=True, transpose_state_layout=True), "transpose_state_layout"),
     (dict(lower_bound=None, A_log=None), "A_log"),
 ])
@@ -137,6 +137,12 @@ def test_chunk_verifier_rejects_fla_only_options(option, word):
     kw = {**_inputs(D=128), **GATE, **option}
     ok, reason = integ.chunk_kda_verifier(**kw)
     assert not ok and word in reason
+
+
+@pytest.mark.parametrize("option", [dict(disable_recompute=True), dict(chunk_size=32), dict(use_graph=True)])
+def test_chunk_verifier_accepts_options_without_forward_effect(option):
+    ok, reason = integ.chunk_kda_verifier(**{**_inputs(D=128), **GATE, **option})
+    assert not ok and reason == "flashkda: inputs are on cpu"  # only the device is wrong
 
 
 @pytest.mark.parametrize("case, word", [

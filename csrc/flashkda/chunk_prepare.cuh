@@ -58,6 +58,14 @@ constexpr int kPrepareBlocksPerSmSm80 = 2;
 #define FLASHKDA_PREPARE_MIN_BLOCKS kPrepareBlocksPerSm
 #endif
 
+// The gate parameters as this kernel reads them: chunk_fwd hands it fp32 copies of 16-bit ones.
+// Reading 16-bit parameters here took the generic kernel from 8 to 36 bytes of spills (sm_90a,
+// ptxas), for a copy of HV·K values that costs a microsecond per prefill.
+__device__ __forceinline__ const float* fp32_a_log(const ChunkParams& p) { return static_cast<const float*>(p.A_log); }
+__device__ __forceinline__ const float* fp32_dt_bias(const ChunkParams& p) {
+  return static_cast<const float*>(p.dt_bias);
+}
+
 constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
 
@@ -189,7 +197,7 @@ __device__ void exact_diagonal_block(const ChunkParams& p, int a, PrepareSmem& s
   const Elem* qb = static_cast<const Elem*>(p.q) + c.batch * p.q_batch_stride + h * p.q_head_stride;
   const Elem* kb = static_cast<const Elem*>(p.k) + c.batch * p.k_batch_stride + h * p.k_head_stride;
   const char* gb = static_cast<const char*>(p.g);
-  const float A = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
+  const float A = p.A_log != nullptr ? __expf(fp32_a_log(p)[hv]) : 1.f;
   float kh[kSubChunk][4], eg[kSubChunk][4];
   for (int i = 0; i < kSubChunk; ++i) {
     const int t = a * kSubChunk + i;
@@ -202,7 +210,7 @@ __device__ void exact_diagonal_block(const ChunkParams& p, int a, PrepareSmem& s
       if (valid) {
         const int64_t gi = c.batch * p.g_batch_stride + tok * p.g_token_stride + hv * p.g_head_stride +
                            (p.scalar_gate ? 0 : d);
-        const float bias = p.dt_bias == nullptr ? 0.f : p.dt_bias[p.scalar_gate ? hv : hv * kHeadDim + d];
+        const float bias = p.dt_bias == nullptr ? 0.f : fp32_dt_bias(p)[p.scalar_gate ? hv : hv * kHeadDim + d];
         gl = log_decay(p, load_any(gb, p.g_dtype, gi), bias, A);
       }
       eg[i][e] = __expf(gl);
@@ -407,10 +415,10 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
 
   // The gate's per-head and per-channel constants, loaded first: their latency then passes under
   // the copies below instead of after them.
-  const float a_log = p.A_log != nullptr ? p.A_log[hv] : 0.f;
+  const float a_log = p.A_log != nullptr ? fp32_a_log(p)[hv] : 0.f;
   float bias[8];
   {
-    const float* bp = p.dt_bias == nullptr ? nullptr : p.dt_bias + (scalar_gate<kGate>(p) ? hv : hv * kHeadDim + d0);
+    const float* bp = p.dt_bias == nullptr ? nullptr : fp32_dt_bias(p) + (scalar_gate<kGate>(p) ? hv : hv * kHeadDim + d0);
     if (bp != nullptr && !scalar_gate<kGate>(p) && (reinterpret_cast<uintptr_t>(bp) & 15) == 0) {
       load_floats(bp, bias);
     } else {

@@ -96,7 +96,7 @@ struct Shape {
   static constexpr int kQ = kTileBytes;
   static constexpr int kK = kQ + D * int(sizeof(Elem));
   static constexpr int kG = kK + D * int(sizeof(Elem));
-  static constexpr int kBias = kG + D * int(sizeof(float));  // room for an fp32 gate row
+  static constexpr int kBias = kG + D * int(sizeof(float));  // room for an fp32 gate row (and dt_bias row)
   static constexpr int kV = kBias + D * int(sizeof(float));
   static constexpr int kHeader = round_up(kV + kRows * int(sizeof(Elem)), 16);
   static constexpr int kStageBytes = round_up(kHeader + int(sizeof(StageHeader)), 128);
@@ -186,13 +186,13 @@ __device__ __forceinline__ StageHeader plan_item(const RecurrentParams& p, const
   h.read_slot = needs_state ? seq.read_slot : -1;
   const bool has_tokens = !seq.skip && seq.len > 0;
   h.flags = (seq.skip ? kSkip : 0u) | (h.read_slot >= 0 ? kLoaded : 0u) | (plan.stage_tokens && has_tokens ? kStaged : 0u);
-  h.a = p.A_log != nullptr ? __expf(p.A_log[c.hv]) : 1.f;
+  h.a = gate_scale(p, c.hv);
   h.beta = h.g = h.bias = 0.f;
   if (has_tokens) {
     h.beta = load_any(p.beta, p.beta_dtype, seq.batch * p.beta_batch_stride + seq.bos * p.beta_token_stride + c.hv);
     if (p.scalar_gate) {
       h.g = load_any(p.g, p.g_dtype, seq.batch * p.g_batch_stride + seq.bos * p.g_token_stride + c.hv * p.g_head_stride);
-      h.bias = p.dt_bias != nullptr ? p.dt_bias[c.hv] : 0.f;
+      h.bias = p.dt_bias != nullptr ? load_any(p.dt_bias, p.dt_bias_dtype, c.hv) : 0.f;
     }
   }
   return h;
@@ -225,7 +225,7 @@ __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& pl
   // Bytes of the first token's staged vectors; zero-sized rows are not staged.
   const uint32_t qk_row = D * sizeof(Elem), v_slice = S::kRows * sizeof(Elem);
   const uint32_t g_row = p.scalar_gate ? 0 : D * dtype_bytes(p.g_dtype);
-  const uint32_t bias_row = p.scalar_gate || p.dt_bias == nullptr ? 0 : D * sizeof(float);
+  const uint32_t bias_row = p.scalar_gate || p.dt_bias == nullptr ? 0 : D * dtype_bytes(p.dt_bias_dtype);
   const uint32_t token_bytes = 2 * qk_row + v_slice + g_row + bias_row;
   const int64_t slot_elems = int64_t(p.HV) * D * D;
   const uint32_t grid = gridDim.x;
@@ -330,6 +330,7 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
             src.g = &hdr->g;
             src.g_dtype = DType::kFloat32;
             src.bias = &hdr->bias;
+            src.bias_dtype = DType::kFloat32;
           }
           if (h.flags & kStaged) {
             src.q = reinterpret_cast<const Elem*>(st + S::kQ);
@@ -337,7 +338,7 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
             v_rows = reinterpret_cast<const Elem*>(st + S::kV) + row0;
             if (!p.scalar_gate) {
               src.g = st + S::kG;
-              if (src.bias != nullptr) src.bias = reinterpret_cast<const float*>(st + S::kBias);
+              if (src.bias != nullptr) src.bias = st + S::kBias;
             }
           }
         } else {

@@ -129,7 +129,7 @@ struct TokenRaw {
   using Four = typename std::conditional<sizeof(Elem) == 2, uint2, uint4>::type;  // 4 Elem
   Four q, k;
   uint4 g;         // 4 gate values of g_dtype (16-bit types: .x, .y); scalar gate: .x
-  float4 bias;     // dt_bias of the 4 channels, scalar gate: .x; zeros without dt_bias
+  uint4 bias;      // dt_bias of the 4 channels as g (bits of dt_bias_dtype); zeros without dt_bias
   uint32_t beta;   // beta_dtype bits
   float a_log;     // A_log[hv], 0 without A_log
 };
@@ -138,12 +138,11 @@ __device__ __forceinline__ uint32_t load_bits(const void* base, DType dt, int64_
   return dt == DType::kFloat32 ? static_cast<const uint32_t*>(base)[i] : uint32_t(static_cast<const uint16_t*>(base)[i]);
 }
 
-__device__ __forceinline__ float bits_to_float(uint32_t b, DType dt) {
-  switch (dt) {
-    case DType::kBFloat16: return __uint_as_float(b << 16);
-    case DType::kFloat16: return __half2float(__ushort_as_half(uint16_t(b)));
-    default: return __uint_as_float(b);
-  }
+// The bits of values i .. i + 3 of dtype dt (16-bit types: .x, .y), one 16- or 8-byte access.
+__device__ __forceinline__ uint4 load_bits4(const void* base, DType dt, int64_t i) {
+  if (dt == DType::kFloat32) return *reinterpret_cast<const uint4*>(static_cast<const float*>(base) + i);
+  const uint2 h = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
+  return make_uint4(h.x, h.y, 0u, 0u);
 }
 
 template <typename Elem>
@@ -172,18 +171,13 @@ __device__ __forceinline__ TokenRaw<Elem> load_token(const RecurrentParams& p, c
   r.k = *reinterpret_cast<const Four*>(src.k + c0);
   if (p.scalar_gate) {
     r.g = make_uint4(load_bits(src.g, p.g_dtype, 0), 0u, 0u, 0u);
-    r.bias = make_float4(src.bias != nullptr ? src.bias[0] : 0.f, 0.f, 0.f, 0.f);
+    r.bias = make_uint4(src.bias != nullptr ? load_bits(src.bias, src.bias_dtype, 0) : 0u, 0u, 0u, 0u);
   } else {
-    if (p.g_dtype == DType::kFloat32) {
-      r.g = *reinterpret_cast<const uint4*>(static_cast<const float*>(src.g) + c0);
-    } else {
-      const uint2 h = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(src.g) + c0);
-      r.g = make_uint4(h.x, h.y, 0u, 0u);
-    }
-    r.bias = src.bias != nullptr ? *reinterpret_cast<const float4*>(src.bias + c0) : make_float4(0.f, 0.f, 0.f, 0.f);
+    r.g = load_bits4(src.g, p.g_dtype, c0);
+    r.bias = src.bias != nullptr ? load_bits4(src.bias, src.bias_dtype, c0) : make_uint4(0u, 0u, 0u, 0u);
   }
   r.beta = load_bits(p.beta, p.beta_dtype, it.batch * p.beta_batch_stride + t * p.beta_token_stride + it.hv);
-  r.a_log = p.A_log != nullptr ? p.A_log[it.hv] : 0.f;
+  r.a_log = a_log_value(p, it.hv);
   return r;
 }
 
@@ -208,7 +202,8 @@ __device__ __forceinline__ Prepared prepare_token(const RecurrentParams& p, cons
   unpack4<Elem>(r.q, q);
   unpack4<Elem>(r.k, t.k);
   const float a = p.A_log != nullptr ? __expf(r.a_log) : 1.f;
-  const float bias[4] = {r.bias.x, r.bias.y, r.bias.z, r.bias.w};
+  float bias[4];
+  unpack_gate4(r.bias, p.dt_bias_dtype, bias);
   if (p.scalar_gate) {
     const float decay = __expf(log_decay(p, bits_to_float(r.g.x, p.g_dtype), bias[0], a));
 #pragma unroll

@@ -112,7 +112,8 @@ struct TokenSrc {
   const Elem* k;      // [D]
   const void* g;      // [D] of g_dtype, or one value with a scalar gate
   DType g_dtype;
-  const float* bias;  // [D], or one value with a scalar gate; nullptr: zero bias
+  const void* bias;   // [D] of bias_dtype, or one value with a scalar gate; nullptr: zero bias
+  DType bias_dtype;
 };
 
 // Token t of batch row `batch`, key head h, value head hv, in global memory.
@@ -125,7 +126,10 @@ __device__ __forceinline__ TokenSrc<Elem> global_token(const RecurrentParams& p,
   s.g = static_cast<const char*>(p.g) +
         (batch * p.g_batch_stride + t * p.g_token_stride + hv * p.g_head_stride) * dtype_bytes(p.g_dtype);
   s.g_dtype = p.g_dtype;
-  s.bias = p.dt_bias == nullptr ? nullptr : p.dt_bias + (p.scalar_gate ? int64_t(hv) : int64_t(hv) * D);
+  s.bias = p.dt_bias == nullptr ? nullptr
+                                 : static_cast<const char*>(p.dt_bias) +
+                                       (p.scalar_gate ? int64_t(hv) : int64_t(hv) * D) * dtype_bytes(p.dt_bias_dtype);
+  s.bias_dtype = p.dt_bias_dtype;
   return s;
 }
 
@@ -140,10 +144,10 @@ __device__ __forceinline__ TokenRegs<D> load_token(const RecurrentParams& p, con
     r.k[m] = to_float(s.k[ch]);
     if (p.scalar_gate) {
       r.g[m] = m == 0 ? load_any(s.g, s.g_dtype, 0) : 0.f;
-      r.bias[m] = m == 0 && s.bias != nullptr ? s.bias[0] : 0.f;
+      r.bias[m] = m == 0 && s.bias != nullptr ? load_any(s.bias, s.bias_dtype, 0) : 0.f;
     } else {
       r.g[m] = load_any(s.g, s.g_dtype, ch);
-      r.bias[m] = s.bias != nullptr ? s.bias[ch] : 0.f;
+      r.bias[m] = s.bias != nullptr ? load_any(s.bias, s.bias_dtype, ch) : 0.f;
     }
   }
   return r;

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(VFirstShape<D>::kThreads, VFirstShape<D>::kMin
         for (int e = 0; e < 4; ++e) S[j][c][e] = 0.f;
   }
 
-  const float a = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
+  const float a = gate_scale(p, hv);
   const bool per_token_slots = p.slot_indices != nullptr && p.idx_cols > 0;
 
   for (int64_t i = 0; i < seq.len; ++i) {
@@ -243,7 +243,7 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMin
 #pragma unroll
   for (int r = 0; r < R; ++r) S[r] = seq.read_slot >= 0 ? load_state(state_offset(seq.read_slot, r)) : 0.f;
 
-  const float a = p.A_log != nullptr ? __expf(p.A_log[hv]) : 1.f;
+  const float a = gate_scale(p, hv);
   const bool per_token_slots = p.slot_indices != nullptr && p.idx_cols > 0;
 
   for (int64_t i = 0; i < seq.len; ++i) {

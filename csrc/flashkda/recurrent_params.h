@@ -40,8 +40,11 @@ struct RecurrentParams {
   int64_t beta_batch_stride, beta_token_stride;  // head stride 1
   int64_t o_batch_stride, o_token_stride, o_head_stride;
 
-  const float* A_log;    // [HV] or nullptr (exp(A_log) taken as 1)
-  const float* dt_bias;  // [HV * K] (KDA) or [HV] (GDN) or nullptr (zero bias)
+  // Gate parameters of use_gate_in_kernel, each read in its own dtype (A_log_dtype, dt_bias_dtype)
+  // and computed in fp32: a model cast to bf16 keeps them bf16, and a cast per call would cost a
+  // launch and an allocation on every decode step.
+  const void* A_log;    // [HV] or nullptr (exp(A_log) taken as 1)
+  const void* dt_bias;  // [HV * K] (KDA) or [HV] (GDN) or nullptr (zero bias)
 
   // Varlen: sequence n is tokens [cu_seqlens[n], cu_seqlens[n+1]) of batch row 0 (B == 1).
   // nullptr: sequence n is batch row n, T tokens.
@@ -70,6 +73,7 @@ struct RecurrentParams {
   bool beta_sigmoid;          // use_beta_sigmoid_in_kernel
   bool state_v_first;
   DType g_dtype, beta_dtype;
+  DType A_log_dtype, dt_bias_dtype;
   DType state_in_dtype, state_out_dtype;  // float32 or bfloat16
   IndexType cu_type, idx_type, accepted_type;
   int32_t num_sms;            // of the current device, for the block-shape choice

@@ -44,6 +44,48 @@ __device__ __forceinline__ float load_any(const void* p, DType dt, int64_t i) {
   }
 }
 
+// A 16-bit value of dtype dt (bfloat16 or float16) from its bits, or an fp32 one from its bits.
+__device__ __forceinline__ float bits_to_float(uint32_t b, DType dt) {
+  switch (dt) {
+    case DType::kBFloat16: return __uint_as_float(b << 16);
+    case DType::kFloat16: return __half2float(__ushort_as_half(uint16_t(b)));
+    default: return __uint_as_float(b);
+  }
+}
+
+// N consecutive values of run-time dtype dt as floats, in accesses of up to 16 bytes: `src` is
+// aligned to min(16, N * dtype_bytes) bytes.
+template <int N>
+__device__ __forceinline__ void load_any_vec(const void* src, DType dt, float (&x)[N]) {
+  static_assert(N == 4 || N == 8, "one or two 16-byte accesses");
+  if (dt == DType::kFloat32) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 v = reinterpret_cast<const float4*>(src)[i / 4];
+      x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+    }
+    return;
+  }
+  uint32_t w[N / 2];
+  if constexpr (N == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  }
+  if (dt == DType::kBFloat16) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) x[2 * i] = __uint_as_float(w[i] << 16), x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      x[2 * i] = f.x, x[2 * i + 1] = f.y;
+    }
+  }
+}
+
 // N consecutive floats (16-byte aligned, N a multiple of 4), 16 bytes per access.
 template <int N>
 __device__ __forceinline__ void load_floats(const float* src, float (&x)[N]) {
@@ -120,6 +162,16 @@ __device__ __forceinline__ float sigmoidf_(float x) { return __fdividef(1.f, 1.f
 
 __device__ __forceinline__ float softplusf_(float x) {
   return x > kSoftplusThreshold ? x : log1pf(__expf(x));
+}
+
+// A_log[hv] and its exponential, the gate's scale (1 without A_log).
+template <class Params>
+__device__ __forceinline__ float a_log_value(const Params& p, int hv) {
+  return p.A_log != nullptr ? load_any(p.A_log, p.A_log_dtype, hv) : 0.f;
+}
+template <class Params>
+__device__ __forceinline__ float gate_scale(const Params& p, int hv) {
+  return p.A_log != nullptr ? __expf(load_any(p.A_log, p.A_log_dtype, hv)) : 1.f;
 }
 
 // Natural-log decay of one channel with the gate mode known at compile time (loops over many

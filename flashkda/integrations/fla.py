@@ -52,12 +52,16 @@ from flashkda import _ext
 from flashkda import api as _api
 from flashkda._ext import log
 
+_fast_check = _ext.fused_recurrent_check if _ext.HAS_EXTENSION else None
+_is_compiling = torch.compiler.is_compiling
+
 __all__ = [
     "BACKEND_TYPE",
     "ENV_VAR",
     "PRIORITY",
     "register",
     "is_registered",
+    "registered_backends",
     "maybe_register_on_import",
     "chunk_kda_verifier",
     "fused_recurrent_kda_fwd_verifier",
@@ -76,9 +80,10 @@ Verdict = Tuple[bool, Optional[str]]
 
 _lock = threading.Lock()
 _registered = False
+_backends: tuple = ()  # (chunk backend, operation backend) as registered in FLA
 
 # Keyword arguments of FLA's chunk_kda (its **kwargs) that the adapter understands.
-_CHUNK_KWARGS = frozenset({"A_log", "dt_bias", "transpose_state_layout"})
+_CHUNK_KWARGS = frozenset({"A_log", "dt_bias", "transpose_state_layout", "chunk_size"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,11 +126,11 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
         return "return_intermediate_states=True is not supported (flashkda keeps no per-chunk states)"
     if cp_context is not None:
         return "context parallelism (cp_context) is not supported"
-    if disable_recompute:
-        return "disable_recompute=True (an option of FLA's Triton training path) is not supported"
     unknown = sorted(set(kwargs) - _CHUNK_KWARGS)
     if unknown:
         return f"keyword arguments {unknown} are not supported"
+    if kwargs.get("chunk_size", 64) not in _api._KDA_CHUNK_SIZES:
+        return f"chunk_size={kwargs['chunk_size']!r} (FLA raises its error)"
     if "transpose_state_layout" in kwargs:
         if state_v_first:
             return "both state_v_first and the deprecated transpose_state_layout are given"
@@ -151,26 +156,46 @@ def _num_seqs(q: torch.Tensor, cu_seqlens) -> int:
     return q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
 
 
+def _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out):
+    """The arguments of flashkda's fast entry (``flashkda.api._fast``) for FLA's
+    ``fused_recurrent_kda_fwd`` call, or None when the call needs the general translation.
+
+    The common serving calls map one to one: a pool with ``ssm_state_indices`` (in place), or a
+    new final state (``inplace_final_state=False``, FLA's public ``fused_recurrent_kda``). The
+    FLA rules that such a call may break are the verifier's (:func:`_fused_recurrent_kda_fwd_reason`).
+    """
+    if ssm_state_indices is None and inplace_final_state:
+        return None  # rows [0, N) in place: the general translation builds the slot indices
+    if not use_gate_in_kernel:
+        A_log = dt_bias = lower_bound = None  # FLA reads them only for the fused gate
+    return (q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+            output_final_state and ssm_state_indices is None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel, allow_neg_eigval and use_beta_sigmoid_in_kernel, lower_bound, state_v_first,
+            cu_seqlens, ssm_state_indices, num_accepted_tokens if ssm_state_indices is not None else None, out, False)
+
+
 def _fused_recurrent_kda_fwd_reason(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
                                     output_final_state=False, inplace_final_state=True, state_v_first=False,
                                     cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                                     out=None, **kwargs) -> Optional[str]:
+    if kwargs:
+        return f"keyword arguments {sorted(kwargs)} are not supported"
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        # FLA's kernel then scales the softplus gate by exp(1.0); flashkda's A_log=None means a scale of 1.
+        return "use_gate_in_kernel=True without A_log and lower_bound (FLA's gate differs from flashkda's)"
+    if ssm_state_indices is not None and not inplace_final_state:
+        return "ssm_state_indices with inplace_final_state=False is not supported"
     if not isinstance(q, torch.Tensor):
         return f"q must be a torch.Tensor, got {type(q).__name__}"
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None  # FLA reads them only for the fused gate
     if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return "an input requires grad with autograd enabled (flashkda is forward-only)"
-    if kwargs:
-        return f"keyword arguments {sorted(kwargs)} are not supported"
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        # FLA's kernel then scales the softplus gate by exp(1.0); flashkda's A_log=None means a scale of 1.
-        return "use_gate_in_kernel=True without A_log and lower_bound (FLA's gate differs from flashkda's)"
     if ssm_state_indices is not None:
-        if not inplace_final_state:
-            return "ssm_state_indices with inplace_final_state=False is not supported"
         if isinstance(ssm_state_indices, torch.Tensor) and ssm_state_indices.dim() == 1:
             if q.dim() >= 2 and q.shape[1] > 1:
                 # FLA writes the state after token t to slot indices[n + t]; flashkda writes the state
@@ -221,10 +246,38 @@ def chunk_kda_verifier(*args, **kwargs) -> Verdict:
     return _verdict(_chunk_kda_reason, args, kwargs)
 
 
-def fused_recurrent_kda_fwd_verifier(*args, **kwargs) -> Verdict:
-    """``(True, None)`` when flashkda serves FLA's ``fused_recurrent_kda_fwd(*args, **kwargs)``, else
-    ``(False, reason)``."""
-    return _verdict(_fused_recurrent_kda_fwd_reason, args, kwargs)
+def fused_recurrent_kda_fwd_verifier(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                                     output_final_state=False, inplace_final_state=True, state_v_first=False,
+                                     cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                                     out=None, **kwargs) -> Verdict:
+    """``(True, None)`` when flashkda serves FLA's ``fused_recurrent_kda_fwd`` with these arguments, else
+    ``(False, reason)``; never raises.
+
+    A decode step pays for this on every call, so the calls that flashkda's fast entry takes as
+    given (:func:`_fast_args`) are judged by its checks in C++ (``_C.fused_recurrent_check``), after
+    the FLA rules they could break; every other call gets :func:`_fused_recurrent_kda_fwd_reason`.
+    """
+    idx = ssm_state_indices  # 1-D: FLA and flashkda agree when there is one token in all (see the reason)
+    if (_fast_check is not None and not kwargs and (inplace_final_state or idx is None) and
+            not (use_gate_in_kernel and A_log is None and lower_bound is None) and not torch.is_grad_enabled()
+            and not (_ext.config.force_reference or _ext.config.debug) and not _is_compiling() and
+            (idx is None or idx.__class__ is not torch.Tensor or idx.dim() != 1 or
+             (q.__class__ is torch.Tensor and q.dim() == 4 and q.shape[1] == 1))):
+        try:
+            args = _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                              allow_neg_eigval, lower_bound, out)
+            if args is not None and _fast_check(*args) is None:
+                return True, None
+        except Exception:  # noqa: BLE001 - the general checks below word it
+            pass
+    return _verdict(_fused_recurrent_kda_fwd_reason,
+                    (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+                     state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+                     use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,6 +324,14 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     or rows ``[0, N)`` without indices); otherwise a new float32 state when ``output_final_state``,
     else None. Meant for calls that :func:`fused_recurrent_kda_fwd_verifier` accepts.
     """
+    args = _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+                      state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out)
+    if (args is not None and _api._fast is not None and not (_ext.config.force_reference or _ext.config.debug)
+            and not _is_compiling()):
+        r = _api._fast(*args)
+        if r.__class__ is tuple:
+            return r  # serving: (out, the pool); otherwise (out, new state or None), as FLA returns
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
     allow_neg_eigval = allow_neg_eigval and use_beta_sigmoid_in_kernel  # FLA ignores it without the sigmoid
@@ -312,23 +373,25 @@ def _make_backends(BaseBackend):
         def is_available(cls) -> bool:
             return _ext.HAS_EXTENSION
 
+        def is_enabled(self) -> bool:
+            # FLA's rule (FLA_FLASHKDA=1 forces the backend on, else FLASHKDA_FLA_BACKEND=0 turns it
+            # off), read at every call as FLA does, with one environment lookup in the usual case.
+            env = os.environ
+            return env.get(ENV_VAR, "1") != "0" or env.get("FLA_FLASHKDA", "0") != "0"
+
     class FlashKDAChunkBackend(_FlashKDABackend):
         """flashkda for ``fla.ops.kda.chunk_kda``."""
 
-        def chunk_kda_verifier(self, *args, **kwargs) -> Verdict:
-            return chunk_kda_verifier(*args, **kwargs)
-
-        def chunk_kda(self, *args, **kwargs):
-            return chunk_kda(*args, **kwargs)
+        # Static: FLA finds them by name and calls them with the call's own arguments, which bind
+        # once, to FLA's signature (no bound method, no repacking on the way).
+        chunk_kda_verifier = staticmethod(chunk_kda_verifier)
+        chunk_kda = staticmethod(chunk_kda)
 
     class FlashKDAOpBackend(_FlashKDABackend):
         """flashkda for the ``'kda'`` operation registry (only ``fused_recurrent_kda_fwd``)."""
 
-        def fused_recurrent_kda_fwd_verifier(self, *args, **kwargs) -> Verdict:
-            return fused_recurrent_kda_fwd_verifier(*args, **kwargs)
-
-        def fused_recurrent_kda_fwd(self, *args, **kwargs):
-            return fused_recurrent_kda_fwd(*args, **kwargs)
+        fused_recurrent_kda_fwd_verifier = staticmethod(fused_recurrent_kda_fwd_verifier)
+        fused_recurrent_kda_fwd = staticmethod(fused_recurrent_kda_fwd)
 
     return FlashKDAChunkBackend, FlashKDAOpBackend
 
@@ -352,7 +415,8 @@ def register() -> bool:
             log.debug("flashkda: FLA_DISABLE_BACKEND_DISPATCH=1; the FLA backend is not registered")
             return False
         for theirs, ours in ((fla_chunk_kda, (_chunk_kda_reason, chunk_kda)),
-                             (fla_fused_recurrent_kda_fwd, (_fused_recurrent_kda_fwd_reason, fused_recurrent_kda_fwd))):
+                             (fla_fused_recurrent_kda_fwd, (_fused_recurrent_kda_fwd_reason, fused_recurrent_kda_fwd,
+                                                            fused_recurrent_kda_fwd_verifier))):
             if any(_signature(theirs) != _signature(fn) for fn in ours):
                 log.debug("flashkda: FLA's %s has signature %s, not the one flashkda mirrors; the FLA backend "
                           "is not registered", theirs.__name__, inspect.signature(theirs))
@@ -360,6 +424,10 @@ def register() -> bool:
         chunk_backend, op_backend = _make_backends(fla_backends.BaseBackend)
         fla_backends.register(fla_chunk_kda)(chunk_backend)
         fla_backends.register("kda")(op_backend)
+        global _backends
+        _backends = tuple(registry._backends[BACKEND_TYPE] for registry in (
+            fla_backends._function_registries[inspect.unwrap(fla_chunk_kda)],
+            fla_backends._get_operation_registry("kda")))
         _registered = True
         log.debug("flashkda: registered as FLA backend %r (priority %d) for chunk_kda and fused_recurrent_kda_fwd",
                   BACKEND_TYPE, PRIORITY)
@@ -369,6 +437,14 @@ def register() -> bool:
 def is_registered() -> bool:
     """Whether :func:`register` has registered the backend in this process."""
     return _registered
+
+
+def registered_backends() -> tuple:
+    """The backend objects in FLA's registries, ``(chunk_kda's, the 'kda' operations')``, or ``()``
+    before :func:`register`. FLA calls their methods by name (``chunk_kda``,
+    ``fused_recurrent_kda_fwd`` and their ``*_verifier``), so an attribute set on one of them (a
+    counting wrapper, say) is what FLA calls."""
+    return _backends
 
 
 def maybe_register_on_import() -> bool:
