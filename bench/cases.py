@@ -27,6 +27,14 @@ DECODE_BF16_POOL_REQUIRED_MS = {256: 0.15}
 HOST_OVERHEAD_REQUIRED_US = 20.0
 
 
+# Prefix caching on the first row: with every chunk's state returned (FLA's h, bf16) at most
+# PREFIX_STATES_MAX_RATIO of the plain call, with a checkpoint every PREFIX_CHECKPOINT_TOKENS
+# tokens into an fp32 pool at most PREFIX_CHECKPOINTS_MAX_RATIO.
+PREFIX_ROW = "fixed_8k_H96"
+PREFIX_STATES_MAX_RATIO = 1.25
+PREFIX_CHECKPOINTS_MAX_RATIO = 1.05
+PREFIX_CHECKPOINT_TOKENS = 1024
+
 # FLA's own KDAForCausalLM end to end (bench/e2e_fla_model.py), with and without flashkda as its
 # backend: every KDA call served, the prompt forward at most this fraction of FLA's, generate no slower.
 E2E_GATES = ("lower_bound", "softplus")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashkda
-from cases import PREFILL_ROWS, PREFILL_SWEEP
+from cases import PREFILL_ROWS, PREFILL_SWEEP, PREFIX_CHECKPOINT_TOKENS, PREFIX_ROW
 from common import cuda_median_ms, floor_ms, kernel_family, record
 
 D = 128
@@ -103,6 +103,43 @@ def _run(case, lens, H, impl, benchmark):
 def test_prefill(benchmark, case, impl):
     lens, H = ROWS[case]
     _run(case, lens, H, impl, benchmark)
+
+
+PREFIX_IMPLS = ["flashkda", "fla_chunk_kda"]
+
+
+@pytest.mark.parametrize("impl", PREFIX_IMPLS)
+@pytest.mark.parametrize("kind", ["intermediate_states", "checkpoints"])
+def test_prefill_prefix_states(benchmark, kind, impl):
+    """PREFIX_ROW keeping the states at chunk starts: every chunk's (return_intermediate_states, bf16
+    h) or one every PREFIX_CHECKPOINT_TOKENS tokens into an fp32 pool (flashkda only; FLA has no such
+    form). plain_ms: the same call without them, timed just before."""
+    lens, H = ROWS[PREFIX_ROW]
+    if impl == "fla_chunk_kda" and (fla_kda is None or kind == "checkpoints"):
+        pytest.skip("fla not importable" if fla_kda is None else "FLA has no checkpoint pool")
+    kw = _inputs(lens, H)
+    chunks = -(-sum(lens) // 64)
+    extra = dict(return_intermediate_states=True)
+    if kind == "checkpoints":
+        every = PREFIX_CHECKPOINT_TOKENS // 64
+        slots = torch.full((len(lens), chunks), -1, dtype=torch.int32)
+        slots[:, every::every] = torch.arange(1, (chunks - 1) // every + 1, dtype=torch.int32)
+        extra = dict(checkpoint_pool=torch.zeros(chunks // every + 1, H, D, D, device="cuda"),
+                     checkpoint_slots=slots.cuda())
+    if impl == "flashkda":
+        plain_fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
+        fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS, **extra)  # noqa: E731
+    else:
+        fla_kw = dict(kw, dt_bias=kw["dt_bias"].reshape(-1))
+        plain_fn = lambda: fla_kda(**fla_kw, **KDA_FLAGS)  # noqa: E731
+        fn = lambda: fla_kda(**fla_kw, **KDA_FLAGS, **extra)  # noqa: E731
+    h_bytes = chunks * H * D * D * 2 if kind == "intermediate_states" else (chunks - 1) // every * H * D * D * 4
+    with torch.inference_mode():
+        plain = cuda_median_ms(plain_fn, calls=_calls(lens, H))
+        ms = cuda_median_ms(fn, calls=_calls(lens, H))
+        rec = record(f"{PREFIX_ROW}_{kind}", impl, ms, _floor(lens, H) + floor_ms(h_bytes), plain_ms=round(plain, 5))
+        benchmark.extra_info.update(rec)
+        benchmark.pedantic(lambda: (fn(), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 
 @pytest.mark.sweep

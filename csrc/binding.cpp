@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 
 #include "flashkda/api.h"
 #include "flashkda/constants.h"
@@ -575,7 +576,8 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
                const std::optional<at::Tensor>& final_state, const at::Tensor& o, double scale, int64_t gate_mode,
                double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first,
-               int64_t value_split, int64_t segment_chunks) {
+               int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
+               const std::optional<at::Tensor>& chunk_state_slots) {
   check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
   // chunk_prepare reads fp32 gate parameters (fp32_a_log in chunk_prepare.cuh says why).
   auto fp32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
@@ -600,6 +602,31 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(p.scalar_gate || aligned16(g), "flashkda: g must be 16-byte aligned with 16-byte strides");
   set_state_params(p, opt(initial_state), opt(final_state), nullptr, nullptr);
   check_states(p, q, initial_state, final_state);
+  // States at chunk starts (ChunkParams::chunk_states): dense [entries, HV, D, D], or a pool of
+  // slots named by chunk_state_slots [N, cols].
+  if (chunk_states.has_value()) {
+    const at::Tensor& h = *chunk_states;
+    check_cuda(h, q, "chunk_states");
+    const int64_t per_entry = int64_t(p.HV) * p.D * p.D;
+    TORCH_CHECK(h.is_contiguous() && h.dim() >= 3 && h.size(-1) == p.D && h.size(-2) == p.D && h.size(-3) == p.HV &&
+                    reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
+                "flashkda: chunk_states must be a contiguous, 16-byte aligned [..., HV, D, D] tensor");
+    p.chunk_states = h.data_ptr();
+    p.chunk_states_dtype = to_dtype(h, "chunk_states");
+    p.chunk_state_entries = h.numel() / per_entry;
+    if (chunk_state_slots.has_value()) {
+      const at::Tensor& s = *chunk_state_slots;
+      check_cuda(s, q, "chunk_state_slots");
+      TORCH_CHECK(s.dim() == 2 && s.size(0) == p.N && last_dim_contiguous(s),
+                  "flashkda: chunk_state_slots must be [N, chunk columns] with contiguous rows");
+      p.chunk_state_slots = s.data_ptr();
+      p.chunk_slot_type = to_index_type(s, "chunk_state_slots");
+      p.chunk_slot_row_stride = s.stride(0);
+      p.chunk_slot_cols = int32_t(std::min<int64_t>(s.size(1), INT32_MAX));
+    }
+  } else {
+    TORCH_CHECK(!chunk_state_slots.has_value(), "flashkda: chunk_state_slots needs chunk_states");
+  }
 
   const int64_t chunk = chunk::kChunk;
   int64_t slots = 0;
@@ -694,7 +721,8 @@ TORCH_LIBRARY(flashkda, m) {
       "chunk_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? cu_seqlens, Tensor? initial_state, Tensor(a!)? final_state, Tensor(b!) o, float scale, "
       "int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, "
-      "bool state_v_first, int value_split, int segment_chunks) -> ()");
+      "bool state_v_first, int value_split, int segment_chunks, Tensor(c!)? chunk_states=None, "
+      "Tensor? chunk_state_slots=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {

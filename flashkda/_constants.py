@@ -17,3 +17,6 @@ LOWER_BOUND_MIN = -5.0
 #: Head dimension (K == V) of the chunked prefill kernels (``chunk::kHeadDim`` in
 #: csrc/flashkda/chunk_params.h); other kernel head dims run prefill on the recurrent kernel.
 CHUNK_HEAD_DIM = 128
+#: Tokens per chunk of the chunked kernels (``chunk::kChunk``): the states of
+#: ``return_intermediate_states`` and of prefill checkpoints are those at multiples of it.
+CHUNK_STATE_TOKENS = 64

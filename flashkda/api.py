@@ -333,7 +333,8 @@ def _aligned16(x: torch.Tensor) -> torch.Tensor:
 
 
 def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,
-                      l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first):
+                      l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first, chunk_states=None,
+                      chunk_state_slots=None):
     q, k, v = _aligned16(q), _aligned16(k), _aligned16(v)
     g = _kernel_float(g)
     g = _aligned16(g) if g.dim() == 4 else _last_dim_contiguous(g)
@@ -346,7 +347,7 @@ def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     run = _ext.chunk_fwd_op if torch.compiler.is_compiling() else _ext.chunk_fwd_eager
     run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, o, p.scale, p.gate_mode,
         float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid, allow_neg_eigval,
-        state_v_first, _ext.config.chunk_value_split, _ext.config.chunk_segment)
+        state_v_first, _ext.config.chunk_value_split, _ext.config.chunk_segment, chunk_states, chunk_state_slots)
     return o, ht
 
 
@@ -371,13 +372,10 @@ def _state_v_first(state_v_first: bool, transpose_state_layout) -> bool:
 _KDA_CHUNK_SIZES, _GDN_CHUNK_SIZES = (32, 64), (16, 32, 64)
 
 
-def _fla_chunk_options(fn: str, chunk_sizes, chunk_size, return_intermediate_states, cp_context, use_graph,
-                       max_num_seqs, cu_seqlens) -> None:
+def _fla_chunk_options(fn: str, chunk_sizes, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens) -> None:
     """FLA's keywords of the chunked functions: checked as FLA checks them; none changes the result."""
     if chunk_size not in chunk_sizes:
         raise ValueError(f"flashkda: chunk_size must be one of {chunk_sizes} for {fn}, got {chunk_size!r}")
-    if return_intermediate_states:
-        raise NotImplementedError(f"flashkda: {fn}(return_intermediate_states=True) is not supported")
     if cp_context is not None:
         raise NotImplementedError(f"flashkda: {fn} does not support context parallelism (cp_context)")
     if (use_graph and max_num_seqs is not None and isinstance(cu_seqlens, torch.Tensor)
@@ -386,32 +384,81 @@ def _fla_chunk_options(fn: str, chunk_sizes, chunk_size, return_intermediate_sta
                          f"max_num_seqs + 1 entries, got {cu_seqlens.shape[0]}")
 
 
+def _num_chunks_total(p: _Problem, cu_seqlens, cu_seqlens_cpu) -> int:
+    """FLA's NT of return_intermediate_states: ceil(T / 64) per row, or Σ ceil(len_n / 64) with
+    cu_seqlens (from a host copy; a CUDA cu_seqlens alone is read back, which synchronises)."""
+    c = C.CHUNK_STATE_TOKENS
+    if cu_seqlens is None:
+        return -(-p.T // c)
+    host = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    bounds = host.tolist()
+    return sum(-(-(b - a) // c) for a, b in zip(bounds, bounds[1:]))
+
+
+def _chunk_state_dest(fn: str, p: _Problem, q, k, cu_seqlens, cu_seqlens_cpu, state_v_first,
+                      return_intermediate_states, checkpoint_pool, checkpoint_slots):
+    """(destination, slots, h): where the states at chunk starts go (ChunkParams::chunk_states), the
+    pool's slot table, and the h tensor to return (or None)."""
+    tail = (p.HV, p.V, p.K) if state_v_first else (p.HV, p.K, p.V)
+    if return_intermediate_states:
+        if checkpoint_pool is not None:
+            raise ValueError(f"flashkda: {fn} takes return_intermediate_states or checkpoint_pool, not both")
+        B = 1 if cu_seqlens is not None else p.B
+        h = torch.empty((B, _num_chunks_total(p, cu_seqlens, cu_seqlens_cpu), *tail), dtype=k.dtype, device=q.device)
+        return h, None, h
+    if checkpoint_pool is None:
+        if checkpoint_slots is not None:
+            raise ValueError("flashkda: checkpoint_slots needs checkpoint_pool")
+        return None, None, None
+    pool, slots = _tensor(checkpoint_pool, "checkpoint_pool"), _tensor(checkpoint_slots, "checkpoint_slots")
+    _dtype(pool, "checkpoint_pool", _STATE_TYPES)
+    _device(pool, "checkpoint_pool", q.device)
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != tail or not pool.is_contiguous():
+        raise ValueError(f"flashkda: checkpoint_pool must be a contiguous [num_slots, {', '.join(map(str, tail))}] "
+                         f"state pool, got shape {list(pool.shape)}")
+    _dtype(slots, "checkpoint_slots", _INDEX_TYPES)
+    _device(slots, "checkpoint_slots", q.device)
+    if slots.dim() != 2 or slots.shape[0] != p.N:
+        raise ValueError(f"flashkda: checkpoint_slots must have shape [N, chunks] with N = {p.N}, got "
+                         f"{list(slots.shape)}")
+    if slots.stride(-1) != 1:
+        slots = slots.contiguous()
+    return pool, slots, None
+
+
 def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first,
-           cu_seqlens, cu_seqlens_cpu, A_log, dt_bias):
+           cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, return_intermediate_states=False, checkpoint_pool=None,
+           checkpoint_slots=None):
     p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
                   A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                   state_v_first=state_v_first)
+    dest, slots, h = _chunk_state_dest(fn, p, q, k, cu_seqlens, cu_seqlens_cpu, state_v_first,
+                                       return_intermediate_states, checkpoint_pool, checkpoint_slots)
     lb = lower_bound if use_gate_in_kernel else None
     reason = _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
     if reason is None:
         chunk_reason = _chunk_kernel_unsupported(p, q)
         if chunk_reason is None:
-            return _run_chunk_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
-                                     output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                     allow_neg_eigval, lb, state_v_first)
-        # The token-by-token kernel computes the contract exactly (fp32 state) for the rest.
-        log.debug("flashkda: %s uses the recurrent kernel: %s", fn, chunk_reason)
-        return _run_recurrent_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
-                                     output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                     allow_neg_eigval, lb, state_v_first, None, None, None)
-    return _reference(p, reason, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
-                      use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                      lower_bound=lb, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first,
-                      cu_seqlens=cu_seqlens, core="chunk")
+            o, ht = _run_chunk_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                                      output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                      allow_neg_eigval, lb, state_v_first, dest, slots)
+            return (o, ht) if h is None else (o, ht, h)
+        if dest is None:
+            # The token-by-token kernel computes the contract exactly (fp32 state) for the rest.
+            log.debug("flashkda: %s uses the recurrent kernel: %s", fn, chunk_reason)
+            return _run_recurrent_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
+                                         output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
+                                         allow_neg_eigval, lb, state_v_first, None, None, None)
+        reason = f"{chunk_reason}; states at chunk starts need the chunked kernels"
+    o, ht = _reference(p, reason, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                       use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                       lower_bound=lb, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first,
+                       cu_seqlens=cu_seqlens, core="chunk", chunk_states=dest, chunk_state_slots=slots)
+    return (o, ht) if h is None else (o, ht, h)
 
 
 def _recurrent(fn, scalar_gate, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
@@ -470,13 +517,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
               cu_seqlens_cpu=None, A_log=None, dt_bias=None, *, chunk_size=64, disable_recompute=False,
               return_intermediate_states=False, cp_context=None, use_graph=False, max_num_seqs=None,
-              transpose_state_layout=None):
+              transpose_state_layout=None, checkpoint_pool=None, checkpoint_slots=None):
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
-    _fla_chunk_options("chunk_kda", _KDA_CHUNK_SIZES, chunk_size, return_intermediate_states, cp_context, use_graph,
-                       max_num_seqs, cu_seqlens)
+    _fla_chunk_options("chunk_kda", _KDA_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens)
     return _chunk("chunk_kda", False, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
+                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                  return_intermediate_states, checkpoint_pool, checkpoint_slots)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -484,13 +531,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False,
                            cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, *, chunk_size=64,
                            disable_recompute=False, return_intermediate_states=False, cp_context=None,
-                           use_graph=False, max_num_seqs=None, chunk_indices=None, transpose_state_layout=None):
+                           use_graph=False, max_num_seqs=None, chunk_indices=None, transpose_state_layout=None,
+                           checkpoint_pool=None, checkpoint_slots=None):
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
-    _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, return_intermediate_states,
-                       cp_context, use_graph, max_num_seqs, cu_seqlens)
+    _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens)
     return _chunk("chunk_gated_delta_rule", True, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias)
+                  safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                  return_intermediate_states, checkpoint_pool, checkpoint_slots)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -545,12 +593,27 @@ _CHUNK_EXTRA = """
     FLA's keywords, keyword only, none of which changes the result: ``chunk_size`` ({chunk_sizes}, as
     FLA accepts; others raise ValueError), ``disable_recompute`` and ``use_graph`` / ``max_num_seqs``
     (options of FLA's training and graph paths; ``max_num_seqs`` is checked against ``cu_seqlens`` as
-    FLA does){gdn_extra}. ``return_intermediate_states=True`` and a ``cp_context`` raise
-    NotImplementedError. Any other keyword raises TypeError.
+    FLA does){gdn_extra}. A ``cp_context`` raises NotImplementedError; any other keyword raises
+    TypeError.
+
+    States at chunk starts (prefix caching), keyword only:
+        return_intermediate_states: also return ``h`` (FLA's semantics): ``h[:, i]`` is the state at
+            the start of 64-token chunk ``i`` (``h[:, 0]`` the initial state), ``[B, NT, HV, K, V]``
+            (``[..., V, K]`` with ``state_v_first``) in the dtype of ``k``, ``NT = ceil(T / 64)``;
+            with ``cu_seqlens``, ``B = 1`` and ``NT = Σ ceil(len_n / 64)``, sequence by sequence
+            (from ``cu_seqlens_cpu`` or a CPU ``cu_seqlens``; a CUDA one alone is read back, which
+            synchronises).
+        checkpoint_pool: a state pool ``[num_slots, HV, K, V]`` (``[..., V, K]`` with
+            ``state_v_first``), float32 or bfloat16, contiguous: the states named by
+            ``checkpoint_slots`` are written into it in place; no synchronisation, CUDA-graph safe.
+        checkpoint_slots: int32/int64 ``[N, C]``: ``checkpoint_slots[n, j]`` is the slot that
+            receives the state at the start of chunk ``j`` of sequence ``n`` (after its first
+            ``64 j`` tokens); a negative slot, one beyond the pool or ``j`` past the sequence's
+            chunks writes nothing.
 
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in the dtype of ``v``; ``final_state`` as described
-        under ``output_final_state``, or None.
+        under ``output_final_state``, or None; ``(o, final_state, h)`` with ``return_intermediate_states``.
 """
 
 _RECURRENT_EXTRA = """

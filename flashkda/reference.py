@@ -151,6 +151,8 @@ def kda_reference(
     num_accepted_tokens: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     core: str = "chunk",
+    chunk_states: Optional[torch.Tensor] = None,
+    chunk_state_slots: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Reference KDA (``g`` of shape ``[B, T, HV, K]``) or GDN (``g`` of shape ``[B, T, HV]``).
 
@@ -158,6 +160,12 @@ def kda_reference(
     ``ssm_state_indices``, ``initial_state`` is the slot pool and is updated in place (in its own
     dtype); the pool is returned as the final state. Otherwise the final state is a new fp32 tensor
     (fp64 for fp64 inputs) in the requested layout.
+
+    ``chunk_states`` (prefill only) receives the state before every chunk of CHUNK_STATE_TOKENS
+    tokens of each sequence, in its own dtype and the requested layout: entry Σ_{m<n} ceil(len_m /
+    64) + j of ``chunk_states`` viewed as ``[entries, HV, ...]`` (FLA's h), or with
+    ``chunk_state_slots [N, cols]`` slot ``chunk_state_slots[n, j]`` of that pool (j < cols; a slot
+    outside the pool skips).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -204,13 +212,24 @@ def kda_reference(
         dst[slot] = _to_key_first(S[0], state_v_first).to(dst.dtype)
 
     if not serving:
+        # Pieces of the sequence that run in one go: all of it, or its chunks when their states are kept.
+        step = C.CHUNK_STATE_TOKENS if chunk_states is not None else max(T, 1)
+        if chunk_states is not None:
+            entries = chunk_states.reshape(-1, *chunk_states.shape[-3:])
+            slots = chunk_state_slots.tolist() if chunk_state_slots is not None else None
+        first = 0  # first entry of sequence n: Σ_{m<n} ceil(len_m / 64)
         for n, (b, bos, eos) in enumerate(seqs):
-            sl = slice(bos, eos)
             S = load(n)
-            if eos > bos:
+            for j, s0 in enumerate(range(bos, eos, step)):
+                if chunk_states is not None:
+                    dst = first + j if slots is None else (slots[n][j] if j < len(slots[n]) else -1)
+                    if 0 <= dst < entries.shape[0]:
+                        store(entries, dst, S)
+                sl = slice(s0, min(s0 + step, eos))
                 on, S = run(qp[b:b + 1, sl], kp[b:b + 1, sl], vp[b:b + 1, sl], gp[b:b + 1, sl],
                             bp[b:b + 1, sl], S)
                 o[b, sl] = on[0].to(o.dtype)
+            first += -(-(eos - bos) // C.CHUNK_STATE_TOKENS)
             if final is not None:
                 store(final, n, S)
         return o, final

@@ -390,6 +390,7 @@ def test_cuda_constants_match_python():
         assert re.search(rf"{name} = {value},", params)
     chunk = (ROOT / "csrc" / "flashkda" / "chunk_params.h").read_text()
     assert int(re.search(r"constexpr int kHeadDim = (\d+);", chunk).group(1)) == C.CHUNK_HEAD_DIM
+    assert int(re.search(r"constexpr int kChunk = (\d+);", chunk).group(1)) == C.CHUNK_STATE_TOKENS
 
 
 def test_kernel_family_switch(monkeypatch):

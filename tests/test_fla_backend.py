@@ -126,7 +126,6 @@ def test_verifiers_reject_autograd():
 
 
 @pytest.mark.parametrize("option, word", [
-    (dict(return_intermediate_states=True), "return_intermediate_states"),
     (dict(cp_context=object()), "cp_context"),
     (dict(chunk_size=128), "chunk_size"),
     (dict(foo=1), "foo"),

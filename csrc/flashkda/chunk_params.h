@@ -91,6 +91,21 @@ struct ChunkParams : RecurrentParams {
                               // at most chunk::kMaxGridRows; more rows take several launches)
   float* seg_states;          // [segment_count(), SegmentLayout::kKinds, HV, kHeadDim, kHeadDim]
                               // (segment_matrix in chunk_common.cuh)
+
+  // States at chunk starts (prefix caching): the state before chunk j of sequence n (after its
+  // first kChunk·j tokens; j = 0: the initial state), written by chunk_recurrence as it passes, in
+  // the layout of the final state. nullptr: none.
+  // * Dense (chunk_state_slots == nullptr): entry first_slot(n) + j of [entries, HV, K, V], where
+  //   first_slot(n) = Σ_{m<n} ceil(len_m / kChunk) (FLA's h of return_intermediate_states).
+  // * Pool: slot chunk_state_slots[n, j] (j < chunk_slot_cols; a slot outside [0, entries) skips)
+  //   of the pool [entries, HV, K, V].
+  void* chunk_states;
+  DType chunk_states_dtype;           // float32, bfloat16 or float16
+  int64_t chunk_state_entries;        // dense entries or pool slots
+  const void* chunk_state_slots;      // [N, chunk_slot_cols], row stride chunk_slot_row_stride
+  IndexType chunk_slot_type;
+  int64_t chunk_slot_row_stride;
+  int32_t chunk_slot_cols;
 };
 
 // Segment matrices of all sequences together (see segment_matrix): at most

@@ -67,6 +67,46 @@ constexpr bool record_is_stage_image() {
          offsetof(Stage, v) == WorkspaceLayout::kRecordBytes;
 }
 
+// Stores this warp's slice of the state Sᵀ (value rows v_glob + g8 (+ 8), key columns 8 nt + 2 t4
+// (+ 1), m16n8 accumulators) as element (v, d) of a [kHeadDim][kHeadDim] state of either layout at
+// `dst`, in dtype dt. With the value-first layout the two columns of a pair are neighbours: one store.
+template <int kKeyTiles>
+__device__ __forceinline__ void store_state(void* dst, DType dt, bool v_first, const float (&s)[kKeyTiles][4],
+                                            int v_glob, int g8, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; e += 2) {
+      const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4;
+      const int64_t i = state_offset(v_first, v, d), i1 = state_offset(v_first, v, d + 1);
+      if (dt == DType::kFloat32) {
+        float* f = static_cast<float*>(dst);
+        if (v_first) *reinterpret_cast<float2*>(f + i) = make_float2(s[nt][e], s[nt][e + 1]);
+        else f[i] = s[nt][e], f[i1] = s[nt][e + 1];
+      } else if (dt == DType::kBFloat16) {
+        __nv_bfloat16* b = static_cast<__nv_bfloat16*>(dst);
+        if (v_first) *reinterpret_cast<__nv_bfloat162*>(b + i) = __floats2bfloat162_rn(s[nt][e], s[nt][e + 1]);
+        else b[i] = __float2bfloat16(s[nt][e]), b[i1] = __float2bfloat16(s[nt][e + 1]);
+      } else {
+        __half* h = static_cast<__half*>(dst);
+        if (v_first) *reinterpret_cast<__half2*>(h + i) = __floats2half2_rn(s[nt][e], s[nt][e + 1]);
+        else h[i] = __float2half(s[nt][e]), h[i1] = __float2half(s[nt][e + 1]);
+      }
+    }
+}
+
+// Where the state before chunk j of sequence n goes (ChunkParams::chunk_states), or nullptr.
+__device__ __forceinline__ void* chunk_state_dst(const ChunkParams& p, int n, const SeqSpan& seq, int64_t j, int hv) {
+  int64_t entry = seq.first_slot + j;
+  if (p.chunk_state_slots != nullptr) {
+    if (j >= p.chunk_slot_cols) return nullptr;
+    entry = load_index(p.chunk_state_slots, p.chunk_slot_type, int64_t(n) * p.chunk_slot_row_stride + j);
+  }
+  if (entry < 0 || entry >= p.chunk_state_entries) return nullptr;
+  return static_cast<char*>(p.chunk_states) +
+         (entry * p.HV + hv) * int64_t(kHeadDim) * kHeadDim * dtype_bytes(p.chunk_states_dtype);
+}
+
 // Starts the loads of one chunk into a stage: the record with the copy engine (sm_90 variants: bulk
 // copies counted on `bar`) or with cp.async (sm_80 family); the v tile with cp.async (one group).
 template <typename Elem, typename Shape, int kVariant>
@@ -254,6 +294,11 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       if (i + 1 == j1 - j0) allow_next_grid();
       __syncthreads();  // every warp is done with the stage that the next load overwrites
       issue(i + kStages - 1);
+      // The state before chunk j, while the loads are in flight (the local pass of a segment runs
+      // from zero: its states are not the sequence's; the output pass starts from the true one).
+      if (p.chunk_states != nullptr && pass != RecurrencePass::kSegmentLocal)
+        if (void* dst = chunk_state_dst(p, n, seq, j, hv))
+          store_state(dst, p.chunk_states_dtype, p.state_v_first, s, v_glob, g8, t4);
       sm80::cp_async_wait<kStages - 1>();
 #ifdef FLASHKDA_BULK_COPY
       if constexpr (kVariant != kCpAsyncMma) sm90::mbarrier_wait(&stage_full[i % kStages], uint32_t(i / kStages) & 1);
@@ -421,17 +466,8 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         }
     } else if (pass == RecurrencePass::kWhole && p.state_out != nullptr) {
       const int64_t base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
-#pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
-          const int64_t i = base + state_offset(p.state_v_first, v, d);
-          if (p.state_out_dtype == DType::kBFloat16)
-            static_cast<__nv_bfloat16*>(p.state_out)[i] = __float2bfloat16(s[nt][e]);
-          else
-            static_cast<float*>(p.state_out)[i] = s[nt][e];
-        }
+      store_state(static_cast<char*>(p.state_out) + base * dtype_bytes(p.state_out_dtype), p.state_out_dtype,
+                  p.state_v_first, s, v_glob, g8, t4);
     }
   }
 }

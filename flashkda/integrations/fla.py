@@ -122,8 +122,6 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
     if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return "an input requires grad with autograd enabled (flashkda is forward-only)"
-    if return_intermediate_states:
-        return "return_intermediate_states=True is not supported (flashkda keeps no per-chunk states)"
     if cp_context is not None:
         return "context parallelism (cp_context) is not supported"
     unknown = sorted(set(kwargs) - _CHUNK_KWARGS)
@@ -290,7 +288,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, **kwargs):
-    """``fla.ops.kda.chunk_kda`` computed by :func:`flashkda.chunk_kda`; returns ``(o, final_state)``.
+    """``fla.ops.kda.chunk_kda`` computed by :func:`flashkda.chunk_kda`; returns ``(o, final_state)``,
+    or ``(o, final_state, h)`` with ``return_intermediate_states``.
 
     Meant for calls that :func:`chunk_kda_verifier` accepts (FLA's dispatcher guarantees it);
     ``disable_recompute``, ``use_graph`` and ``max_num_seqs`` do not change a forward result.
@@ -308,7 +307,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias)
+        cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
+        return_intermediate_states=return_intermediate_states)
 
 
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
