@@ -57,3 +57,13 @@ def test_cutlass_lookup_order_and_error(setup_py, tmp_path, monkeypatch):
         setup_py.find_cutlass_include()
     msg = str(info.value)
     assert "CUTLASS_HOME=" in msg and "third_party" in msg and "nvidia-cutlass" in msg
+
+
+def test_cutlass_pin_is_the_readmes():
+    """nvidia-cutlass is a pinned build requirement, and the README's install command installs that pin."""
+    import re
+
+    pin = re.search(r'"nvidia-cutlass==([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    quickstart = (ROOT / "README.md").read_text().split("<!-- quickstart -->")[1].split("<!-- /quickstart -->")[0]
+    assert f"nvidia-cutlass=={pin}" in quickstart
+    assert (ROOT / "third_party" / "README.md").is_file()

@@ -1,5 +1,5 @@
-// The chunked-prefill case of the standalone timing programs (prepare_harness.cu,
-// partition_probe.cu): one fixed-length sequence of T tokens (token_case.cuh), no states, v = q.
+// The chunked-prefill case of the standalone timing program prepare_harness.cu: one fixed-length
+// sequence of T tokens (token_case.cuh), no states, v = q.
 #pragma once
 
 #include <cuda_bf16.h>

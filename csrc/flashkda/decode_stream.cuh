@@ -43,7 +43,7 @@ namespace decode_stream {
 constexpr int D = kDecodeBulkHeadDim;
 constexpr int kWarps = 8;        // warps per block
 constexpr int kBlocksPerSm = 2;  // with 256 threads: a cap of 128 registers
-// 8 rows (4 KB) per item. Measured on the H200 (bench/harness/decode_warp_probe.cu, N = 256): 8
+// 8 rows (4 KB) per item. Measured on the H200 (a prototype of this kernel, N = 256): 8
 // rows, 2 blocks/SM 0.281-0.286 ms; 4 rows, 3-4 blocks/SM 0.287-0.301; 16 rows, 2 blocks/SM 0.306.
 constexpr int kItemRows = 8;
 constexpr int kBlocksV = D / kItemRows;
