@@ -1,12 +1,19 @@
 // sm_90 bulk asynchronous copies (global <-> shared through the copy engine, no tensor map) and
 // the mbarriers that count their bytes; shared by chunk_recurrence and the decode kernel. Defined
 // only when compiling for sm_90 or later (FLASHKDA_BULK_COPY): callers guard their use and keep
-// an sm_80 path.
+// an sm_80 path. CuTe's bulk-copy atoms and CUTLASS's barriers where their instruction is the one
+// needed (the kernels compile to the same machine code); inline PTX where the library form lacks
+// what these kernels rely on: a memory clobber (the kernels read landed bytes and write bytes for
+// the copy engine with ordinary loads and stores, which must not move across the wait, the arrive
+// or the proxy fence), or a cache hint (CuTe's bulk copies take none; createpolicy has no wrapper).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include "mma_sm80.cuh"
 
@@ -17,14 +24,12 @@ namespace flashkda {
 namespace sm90 {
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(sm80::smem_u32(bar)), "r"(arrivals) : "memory");
+  cutlass::arch::ClusterBarrier::init(bar, arrivals);
 }
 
 // Makes initialised mbarriers visible to the copy engine (before the block-wide barrier that
 // publishes them to the other threads).
-__device__ __forceinline__ void fence_mbarrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
+__device__ __forceinline__ void fence_mbarrier_init() { cutlass::arch::fence_barrier_init(); }
 
 __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(sm80::smem_u32(bar)) : "memory");
@@ -32,8 +37,7 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
 
 // One arrival that also announces `bytes` of transactions still to complete on this phase.
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(sm80::smem_u32(bar)), "r"(bytes)
-               : "memory");
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, bytes);
 }
 
 // Waits until the barrier's phase with this parity has completed.
@@ -58,10 +62,7 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 // Global -> shared. bytes: a multiple of 16; both addresses 16-byte aligned. Completion is
 // counted on `bar`.
 __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   sm80::smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(sm80::smem_u32(bar))
-               : "memory");
+  cute::SM90_BULK_COPY_G2S::copy(src, bar, dst, int32_t(bytes));
 }
 
 __device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
@@ -82,17 +83,15 @@ __device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, 
 
 // Shared -> global without a cache hint (data that a later kernel reads soon).
 __device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(sm80::smem_u32(src)),
-               "r"(bytes)
-               : "memory");
+  cute::SM90_BULK_COPY_S2G::copy(src, dst, int32_t(bytes));
 }
 
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit() { cute::tma_store_arrive(); }
 
 // Until at most N of this thread's bulk groups are still reading shared memory.
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+  cute::tma_store_wait<N>();
 }
 
 // Until all of this thread's bulk groups have completed.

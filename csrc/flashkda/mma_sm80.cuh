@@ -1,5 +1,7 @@
 // Warp-level tensor-core and copy primitives of sm_80 (mma.sync m16n8k16 and m16n8k8 tf32, ldmatrix,
-// cp.async), which every later architecture also runs. m16n8k16 layouts (g = lane / 4, t = lane % 4):
+// cp.async), which every later architecture also runs: CuTe's copy atoms where they compile to the
+// same machine code, called with the fragments and shared-memory addresses the kernels compute.
+// m16n8k16 layouts (g = lane / 4, t = lane % 4):
 //   A 16x16 row-major: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
 //   B 16x8  (k, n):    b0 (k = 2t..2t+1, n = g)           b1 (k = 2t+8.., n = g)
 //   C 16x8:            c0 c1 (g, 2t..2t+1)                c2 c3 (g+8, 2t..2t+1)
@@ -11,12 +13,19 @@
 
 #include <cstdint>
 
+#include <cute/arch/copy_sm75.hpp>
+#include <cute/arch/copy_sm80.hpp>
+
 namespace flashkda {
 namespace sm80 {
 
 template <typename Elem>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 
+// d += A B on one m16n8 tile, in place. Inline PTX with read-write accumulators: CuTe's atoms
+// (SM80_16x8x16_F32BF16BF16F32_TN and its fp16 / tf32 siblings) take the accumulators as separate
+// outputs and inputs, which changed chunk_prepare's sm_90a register allocation (the same
+// instructions; not measured yet), while every other kernel compiled to identical SASS.
 template <>
 __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                                         uint32_t b1) {
@@ -68,30 +77,40 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The 16 bytes at shared-window address addr, as the reference CuTe's shared-memory copy atoms take
+// (they convert it back to the same address).
+__device__ __forceinline__ const cute::uint128_t& shared_ref(uint32_t addr) {
+  return *static_cast<const cute::uint128_t*>(__cvta_shared_to_generic(addr));
+}
+
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+  cute::SM75_U32x4_LDSM_N::copy(shared_ref(addr), r[0], r[1], r[2], r[3]);
 }
 
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+  cute::SM75_U16x8_LDSM_T::copy(shared_ref(addr), r[0], r[1], r[2], r[3]);
 }
 
-// 16-byte global -> shared copy; with valid == false the destination is zero-filled.
+// 16-byte global -> shared copy; with valid == false the destination is zero-filled. Inline PTX:
+// CuTe's atom (SM80_CP_ASYNC_CACHEGLOBAL_ZFILL) adds an L2::128B prefetch hint, a different
+// instruction whose effect on these kernels is still to be measured (DESIGN.md, inline PTX).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid = true) {
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
 
+// Waits until at most N committed groups of this thread are in flight. N = 0 stays inline PTX:
+// the libraries' form of it is cp.async.wait_all, which also commits an empty group (one more
+// instruction, and another schedule, in chunk_prepare and decode_stream_tc).
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  if constexpr (N == 0)
+    asm volatile("cp.async.wait_group 0;\n" ::);
+  else
+    cute::cp_async_wait<N>();
 }
 
 template <typename Elem>

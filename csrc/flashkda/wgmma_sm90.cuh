@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cute/arch/mma_sm90_gmma.hpp>
+
 #include "mma_sm80.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -41,11 +43,11 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t smem_addr, uint32_t lbo, 
 }
 
 // Orders earlier register writes (accumulators, A fragments) before the next wgmma reads them.
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { cute::warpgroup_arrive(); }
+__device__ __forceinline__ void wgmma_commit() { cute::warpgroup_commit_batch(); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  cute::warpgroup_wait<N>();
 }
 
 // Keeps the compiler from moving accumulator reads or writes across an asynchronous wgmma.
@@ -54,7 +56,7 @@ __device__ __forceinline__ void fence_operands(float (&d)[N][4]) {
 #pragma unroll
   for (int i = 0; i < N; ++i)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+    for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(d[i][e]);
 }
 
 // d[NT][4] (64 x 8 NT fp32) = (scale_d ? d : 0) + kScaleA · A (64 x 16, registers) · B (16 x 8 NT,
