@@ -2,8 +2,10 @@
 
 Package metadata lives in pyproject.toml. Environment:
 
-* ``FLASHKDA_CUDA_ARCHS``: ``"80;90a"`` (default), ``"auto"`` (the visible GPU) or a list such as
-  ``"90a"``; an entry ``"80+PTX"`` also embeds PTX for that arch.
+* ``FLASHKDA_CUDA_ARCHS``: ``"80+PTX;90a"`` (default: machine code for the A100 and H100 / H200,
+  and the sm_80 family as PTX, which the driver compiles for any later GPU: sm_86, sm_89,
+  Blackwell), ``"auto"`` (the visible GPU) or a list such as ``"90a"``; an entry ``"80+PTX"`` embeds
+  PTX for that arch beside its machine code.
 * ``FLASHKDA_SKIP_CUDA_BUILD=1``: install the pure-Python package only.
 * ``MAX_JOBS`` (parallel compile jobs, read by torch) and ``NVCC_THREADS`` (nvcc ``--threads``).
 * ``CUDA_HOME``: the CUDA toolkit; found from ``nvcc`` on PATH when unset.
@@ -22,7 +24,7 @@ import sys
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "80;90a"
+DEFAULT_ARCHS = "80+PTX;90a"
 
 
 def log(msg: str) -> None:
