@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "mma_sm80.cuh"
@@ -35,11 +36,18 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
 // 1024-byte aligned); lbo between 64-element panels along MN (MN-major B) or unused (K-major, 16);
 // sbo between 8-row groups (1024 for 128-byte rows). kSwizzle32B: K-major rows of 32 bytes
 // (chunk::TriTile, 256-byte aligned), sbo 256.
-enum DescLayout : uint64_t { kSwizzle128B = 1, kSwizzle32B = 3 };
+enum DescLayout : uint8_t {
+  kSwizzle128B = uint8_t(cute::SM90::GMMA::LayoutType::B128),
+  kSwizzle32B = uint8_t(cute::SM90::GMMA::LayoutType::B32)
+};
 __device__ __forceinline__ uint64_t smem_desc(uint32_t smem_addr, uint32_t lbo, uint32_t sbo,
                                               DescLayout layout = kSwizzle128B) {
-  return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
-         (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (uint64_t(layout) << 62);
+  cute::GmmaDescriptor desc;  // CuTe's bit fields: addresses and offsets in 16-byte units
+  desc.bitfield.start_address_ = uint16_t((smem_addr & 0x3FFFF) >> 4);
+  desc.bitfield.leading_byte_offset_ = uint16_t(lbo >> 4);
+  desc.bitfield.stride_byte_offset_ = uint16_t(sbo >> 4);
+  desc.bitfield.layout_type_ = layout;
+  return desc.desc_;
 }
 
 // Orders earlier register writes (accumulators, A fragments) before the next wgmma reads them.
