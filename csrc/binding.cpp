@@ -91,6 +91,21 @@ int num_sms(int device) {
   return sms;
 }
 
+// The device's compute capability major, cached; a failed query answers kMinComputeMajor, so that
+// the kernels launch and report the error themselves.
+constexpr int kMinComputeMajor = 8;  // flashkda/_ext.py: MIN_COMPUTE_CAPABILITY
+int compute_major(int device) {
+  static int cached[64] = {0};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return kMinComputeMajor;
+  }
+  if (device >= 0 && device < 64) cached[device] = major;
+  return major;
+}
+
 const at::Tensor* opt(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
 // Every state tensor given: on q's device, contiguous [>= num_slots, HV, D, D], fp32 or bf16.
@@ -447,6 +462,7 @@ const char* check(PyObject* const* a, Call& c) {
       return "out: not a contiguous tensor like v";
   }
   if (!q.is_cuda()) return kNotCuda;
+  if (compute_major(q.get_device()) < kMinComputeMajor) return "q: on a GPU without a kernel image (compute capability)";
   return nullptr;
 }
 

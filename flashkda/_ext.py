@@ -88,6 +88,23 @@ except (ImportError, AttributeError) as e:  # pure-Python install, a build for a
     log.debug("flashkda: CUDA extension not available (%s); the PyTorch reference serves every call", e)
 
 
+#: The oldest GPU the build has kernels for: sm_80 machine code and PTX (setup.py's default
+#: architectures); older GPUs run the PyTorch reference.
+MIN_COMPUTE_CAPABILITY = (8, 0)
+_device_shortfall: dict = {}
+
+
+def device_shortfall(index: int):
+    """Why CUDA device ``index`` has no kernel image (compute capability below 8.0), or None; one
+    query per device."""
+    if index not in _device_shortfall:
+        cc = tuple(torch.cuda.get_device_capability(index))
+        _device_shortfall[index] = None if cc >= MIN_COMPUTE_CAPABILITY else (
+            f"compute capability {cc[0]}.{cc[1]} (the kernels need {MIN_COMPUTE_CAPABILITY[0]}."
+            f"{MIN_COMPUTE_CAPABILITY[1]} or later)")
+    return _device_shortfall[index]
+
+
 def set_kernel_family(name: str) -> None:
     """Chooses the kernel family for every later call in this process: ``"auto"``, ``"sm80"``,
     or ``"sm90"`` (see FLASHKDA_KERNEL_FAMILY above)."""

@@ -233,6 +233,10 @@ def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) 
         return f"inputs are on {q.device}"
     if not _ext.HAS_EXTENSION:
         return f"CUDA extension not available ({_ext.EXTENSION_ERROR})"
+    if not torch.compiler.is_compiling():  # a device query; traced code relies on the fast entry's check
+        shortfall = _ext.device_shortfall(q.get_device())
+        if shortfall is not None:
+            return shortfall
     if p.K != p.V or p.K not in C.KERNEL_HEAD_DIMS:
         return f"head dims K={p.K}, V={p.V} (kernels: K == V in {C.KERNEL_HEAD_DIMS})"
     if q.dtype not in _KERNEL_TYPES:

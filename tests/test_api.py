@@ -391,6 +391,20 @@ def test_cuda_constants_match_python():
     chunk = (ROOT / "csrc" / "flashkda" / "chunk_params.h").read_text()
     assert int(re.search(r"constexpr int kHeadDim = (\d+);", chunk).group(1)) == C.CHUNK_HEAD_DIM
     assert int(re.search(r"constexpr int kChunk = (\d+);", chunk).group(1)) == C.CHUNK_STATE_TOKENS
+    binding = (ROOT / "csrc" / "binding.cpp").read_text()
+    assert int(re.search(r"constexpr int kMinComputeMajor = (\d+);", binding).group(1)) == \
+        _ext.MIN_COMPUTE_CAPABILITY[0]
+
+
+@pytest.mark.parametrize("cc, ok", [((7, 5), False), ((8, 0), True), ((8, 9), True), ((12, 0), True)])
+def test_devices_without_a_kernel_image_are_named(monkeypatch, cc, ok):
+    """Below compute capability 8.0 the build has no kernel image: the reference runs, with the reason."""
+    monkeypatch.setattr(_ext, "_device_shortfall", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: cc)
+    reason = _ext.device_shortfall(0)
+    assert (reason is None) == ok
+    if not ok:
+        assert f"compute capability {cc[0]}.{cc[1]}" in reason
 
 
 def test_kernel_family_switch(monkeypatch):
