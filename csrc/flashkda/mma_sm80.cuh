@@ -73,9 +73,8 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   lo = to_tf32(x - __uint_as_float(hi));
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+// The shared-window address of a pointer into shared memory (what PTX shared-memory operands take).
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return cute::cast_smem_ptr_to_uint(p); }
 
 // The 16 bytes at shared-window address addr, as the reference CuTe's shared-memory copy atoms take
 // (they convert it back to the same address).
