@@ -14,7 +14,8 @@ cu_seqlens. Per gate and backend (FLASHKDA_FLA_BACKEND=0: FLA's Triton kernels; 
   --new-tokens tokens (min_new_tokens too), median of max(3, --repeats) after 1 warm-up;
 * calls_total / calls_served: calls of fla.layers.kda.chunk_kda and fused_recurrent_kda (the
   layer's two entry points), and of chunk_kda / fused_recurrent_kda_fwd on flashkda's backend objects
-  in FLA's registries (what FLA runs when it picks flashkda), counted over one extra forward + generate, not the timed runs;
+  in FLA's registries (what FLA runs when it picks flashkda), counted over one extra forward +
+  generate, not the timed runs;
 * logits_rel_diff_vs_fla / top1_agree_vs_fla (flashkda rows): last-position logits of that forward
   against those of the backend-off forward (relative L2 error; fraction of equal argmaxes).
 

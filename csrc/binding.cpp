@@ -462,7 +462,8 @@ const char* check(PyObject* const* a, Call& c) {
       return "out: not a contiguous tensor like v";
   }
   if (!q.is_cuda()) return kNotCuda;
-  if (compute_major(q.get_device()) < kMinComputeMajor) return "q: on a GPU without a kernel image (compute capability)";
+  if (compute_major(q.get_device()) < kMinComputeMajor)
+    return "q: on a GPU without a kernel image (compute capability)";
   return nullptr;
 }
 

@@ -250,8 +250,8 @@ def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) 
 
 
 def _kernel_float(x: torch.Tensor) -> torch.Tensor:
-    """g or beta as the kernels read them: in their own dtype, float64 (beside 16-bit or fp32 q) as a
-    float32 copy (FLA's kernels also read them in fp32)."""
+    """A tensor the kernels read in its own dtype (g, beta, the gate parameters): itself, or a float32
+    copy of a float64 one, which the kernels do not read (FLA's kernels also read them in fp32)."""
     return x.float() if x.dtype == torch.float64 else x
 
 
@@ -266,7 +266,7 @@ def _kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     if t.dim() != 1 or not t.is_contiguous():
         t = t.reshape(-1).contiguous()
-    return t.float() if t.dtype == torch.float64 else t
+    return _kernel_float(t)
 
 
 def _gate_params(p: _Problem, A_log, dt_bias):
@@ -415,7 +415,8 @@ def _chunk_state_dest(fn: str, p: _Problem, q, k, cu_seqlens, cu_seqlens_cpu, st
             raise ValueError("flashkda: checkpoint_slots needs checkpoint_pool")
         return None, None, None
     pool, slots = _tensor(checkpoint_pool, "checkpoint_pool"), _tensor(checkpoint_slots, "checkpoint_slots")
-    _dtype(pool, "checkpoint_pool", _STATE_TYPES)
+    # The kernels' pools: float32 or bfloat16 (float64 only beside float64 inputs, on the reference).
+    _dtype(pool, "checkpoint_pool", _STATE_TYPES if q.dtype == torch.float64 else (torch.float32, torch.bfloat16))
     _device(pool, "checkpoint_pool", q.device)
     if pool.dim() != 4 or tuple(pool.shape[1:]) != tail or not pool.is_contiguous():
         raise ValueError(f"flashkda: checkpoint_pool must be a contiguous [num_slots, {', '.join(map(str, tail))}] "
@@ -538,7 +539,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            use_graph=False, max_num_seqs=None, chunk_indices=None, transpose_state_layout=None,
                            checkpoint_pool=None, checkpoint_slots=None):
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
-    _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens)
+    _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs,
+                       cu_seqlens)
     return _chunk("chunk_gated_delta_rule", True, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                   safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
@@ -654,4 +656,5 @@ fused_recurrent_kda.__doc__ = ("Token-by-token KDA (decode, speculative verifica
 fused_recurrent_gated_delta_rule.__doc__ = (
     "Token-by-token Gated DeltaNet with a serving slot pool." +
     _ARGS_DOC.format(g_doc=_GDN_G, dt_doc=_GDN_DT, eps=C.L2NORM_EPS) +
-    _RECURRENT_EXTRA.format(gdn_extra="\n        gk, gv: FLA's per-key / per-value gates (keyword only): None, else NotImplementedError."))
+    _RECURRENT_EXTRA.format(gdn_extra="\n        gk, gv: FLA's per-key / per-value gates (keyword only): None, else "
+                                      "NotImplementedError."))

@@ -88,6 +88,8 @@ def test_chunk_state_arguments_are_checked():
     with pytest.raises(ValueError, match="checkpoint_pool"):
         flashkda.chunk_kda(**kw, checkpoint_pool=torch.zeros(4, 2, 8, 16), checkpoint_slots=torch.zeros(2, 2,
                                                                                                      dtype=torch.int32))
+    with pytest.raises(TypeError, match="checkpoint_pool"):
+        flashkda.chunk_kda(**kw, checkpoint_pool=pool.double(), checkpoint_slots=torch.zeros(2, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="not both"):
         flashkda.chunk_kda(**kw, return_intermediate_states=True, checkpoint_pool=pool,
                            checkpoint_slots=torch.zeros(2, 2, dtype=torch.int32))
