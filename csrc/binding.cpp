@@ -587,15 +587,31 @@ int64_t auto_segment_chunks(int64_t chunks, int64_t chains, int64_t sms) {
 // head) in chunk_recurrence, 1 or 2; 0 picks by the number of (sequence, head) chains.
 // segment_chunks: 0 runs each sequence's recurrence in one chain; n > 0 cuts it into segments of n
 // chunks that run in parallel and are joined by a scan (RecurrencePass, chunk_params.h); -1 picks
-// by auto_segment_chunks.
+// by auto_segment_chunks. Serving mode (ssm_state_indices [N] given): `initial_state` is None and
+// `final_state` is the slot pool, read at idx[n] (zeros where has_initial_state[n] is false) and
+// written there in place.
 void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                const at::Tensor& beta, const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
                const std::optional<at::Tensor>& final_state, const at::Tensor& o, double scale, int64_t gate_mode,
                double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first,
                int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
-               const std::optional<at::Tensor>& chunk_state_slots) {
+               const std::optional<at::Tensor>& chunk_state_slots, const std::optional<at::Tensor>& ssm_state_indices,
+               const std::optional<at::Tensor>& has_initial_state) {
   check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
+  if (ssm_state_indices.has_value()) {
+    TORCH_CHECK(final_state.has_value() && !initial_state.has_value(), "flashkda: serving mode takes the pool as final_state");
+    check_cuda(*ssm_state_indices, q, "ssm_state_indices");
+    TORCH_CHECK(ssm_state_indices->dim() == 1 && ssm_state_indices->is_contiguous(),
+                "flashkda: the prefill's ssm_state_indices must be a contiguous [N] tensor");
+  }
+  if (has_initial_state.has_value()) {
+    TORCH_CHECK(ssm_state_indices.has_value(), "flashkda: has_initial_state needs ssm_state_indices");
+    check_cuda(*has_initial_state, q, "has_initial_state");
+    TORCH_CHECK(has_initial_state->scalar_type() == at::kBool && has_initial_state->dim() == 1 &&
+                    has_initial_state->is_contiguous(),
+                "flashkda: has_initial_state must be a contiguous bool [N] tensor");
+  }
   // chunk_prepare reads fp32 gate parameters (fp32_a_log in chunk_prepare.cuh says why).
   auto fp32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
     return t.has_value() && t->scalar_type() != at::kFloat ? std::optional<at::Tensor>(t->to(at::kFloat)) : t;
@@ -617,8 +633,14 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   for (const auto* t : {&q, &k, &v, &o})
     TORCH_CHECK(aligned16(*t), "flashkda: q, k, v and o must be 16-byte aligned with 16-byte strides");
   TORCH_CHECK(p.scalar_gate || aligned16(g), "flashkda: g must be 16-byte aligned with 16-byte strides");
-  set_state_params(p, opt(initial_state), opt(final_state), nullptr, nullptr);
+  set_state_params(p, opt(initial_state), opt(final_state), opt(ssm_state_indices), nullptr);
   check_states(p, q, initial_state, final_state);
+  if (ssm_state_indices.has_value())
+    TORCH_CHECK(ssm_state_indices->size(0) == p.N, "flashkda: ssm_state_indices must have N = ", p.N, " entries");
+  if (has_initial_state.has_value()) {
+    TORCH_CHECK(has_initial_state->size(0) == p.N, "flashkda: has_initial_state must have N = ", p.N, " entries");
+    p.has_initial_state = has_initial_state->data_ptr<bool>();
+  }
   // States at chunk starts (ChunkParams::chunk_states): dense [entries, HV, D, D], or a pool of
   // slots named by chunk_state_slots [N, cols].
   if (chunk_states.has_value()) {
@@ -739,7 +761,7 @@ TORCH_LIBRARY(flashkda, m) {
       "Tensor? cu_seqlens, Tensor? initial_state, Tensor(a!)? final_state, Tensor(b!) o, float scale, "
       "int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, "
       "bool state_v_first, int value_split, int segment_chunks, Tensor(c!)? chunk_states=None, "
-      "Tensor? chunk_state_slots=None) -> ()");
+      "Tensor? chunk_state_slots=None, Tensor? ssm_state_indices=None, Tensor? has_initial_state=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {

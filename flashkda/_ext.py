@@ -148,7 +148,8 @@ if HAS_EXTENSION:
     @torch.library.register_fake("flashkda::chunk_fwd")
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
                         gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, value_split,
-                        segment_chunks, chunk_states=None, chunk_state_slots=None):
+                        segment_chunks, chunk_states=None, chunk_state_slots=None, ssm_state_indices=None,
+                        has_initial_state=None):
         return None
 
     @torch.library.register_fake("flashkda::recurrent_fwd")

@@ -338,20 +338,24 @@ def _aligned16(x: torch.Tensor) -> torch.Tensor:
 
 def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,
                       l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first, chunk_states=None,
-                      chunk_state_slots=None):
+                      chunk_state_slots=None, ssm_state_indices=None, has_initial_state=None):
     q, k, v = _aligned16(q), _aligned16(k), _aligned16(v)
     g = _kernel_float(g)
     g = _aligned16(g) if g.dim() == 4 else _last_dim_contiguous(g)
     beta = _last_dim_contiguous(_kernel_float(beta))
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
-    h0, ht = _states(p, initial_state, output_final_state, state_v_first, q.device)
+    if p.serving:  # the pool is read and written in place
+        h0, ht = None, initial_state
+    else:
+        h0, ht = _states(p, initial_state, output_final_state, state_v_first, q.device)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.contiguous()
     run = _ext.chunk_fwd_op if torch.compiler.is_compiling() else _ext.chunk_fwd_eager
     run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, o, p.scale, p.gate_mode,
         float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid, allow_neg_eigval,
-        state_v_first, _ext.config.chunk_value_split, _ext.config.chunk_segment, chunk_states, chunk_state_slots)
+        state_v_first, _ext.config.chunk_value_split, _ext.config.chunk_segment, chunk_states, chunk_state_slots,
+        ssm_state_indices, has_initial_state)
     return o, ht
 
 
@@ -434,12 +438,26 @@ def _chunk_state_dest(fn: str, p: _Problem, q, k, cu_seqlens, cu_seqlens_cpu, st
 def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first,
            cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, return_intermediate_states=False, checkpoint_pool=None,
-           checkpoint_slots=None):
+           checkpoint_slots=None, ssm_state_indices=None, has_initial_state=None):
     p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
                   A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  state_v_first=state_v_first)
+                  state_v_first=state_v_first, ssm_state_indices=ssm_state_indices)
+    if p.serving:
+        if ssm_state_indices.dim() != 1:
+            raise ValueError(f"flashkda: {fn} takes ssm_state_indices of shape [N] (one slot per sequence), got "
+                             f"{list(ssm_state_indices.shape)}")
+        if ssm_state_indices.stride(-1) != 1:
+            ssm_state_indices = ssm_state_indices.contiguous()
+    if has_initial_state is not None:
+        if not p.serving:
+            raise ValueError("flashkda: has_initial_state needs ssm_state_indices")
+        has_initial_state = _tensor(has_initial_state, "has_initial_state")
+        _dtype(has_initial_state, "has_initial_state", (torch.bool,))
+        _shape(has_initial_state, "has_initial_state", (p.N,), "[N]")
+        _device(has_initial_state, "has_initial_state", q.device)
+        has_initial_state = has_initial_state.contiguous()
     dest, slots, h = _chunk_state_dest(fn, p, q, k, cu_seqlens, cu_seqlens_cpu, state_v_first,
                                        return_intermediate_states, checkpoint_pool, checkpoint_slots)
     lb = lower_bound if use_gate_in_kernel else None
@@ -449,20 +467,23 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
         if chunk_reason is None:
             o, ht = _run_chunk_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
                                       output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                      allow_neg_eigval, lb, state_v_first, dest, slots)
+                                      allow_neg_eigval, lb, state_v_first, dest, slots, ssm_state_indices,
+                                      has_initial_state)
             return (o, ht) if h is None else (o, ht, h)
-        if dest is None:
+        if dest is None and has_initial_state is None:
             # The token-by-token kernel computes the contract exactly (fp32 state) for the rest.
             log.debug("flashkda: %s uses the recurrent kernel: %s", fn, chunk_reason)
             return _run_recurrent_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
                                          output_final_state, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel,
-                                         allow_neg_eigval, lb, state_v_first, None, None, None)
-        reason = f"{chunk_reason}; states at chunk starts need the chunked kernels"
+                                         allow_neg_eigval, lb, state_v_first, ssm_state_indices, None, None)
+        reason = (f"{chunk_reason}; states at chunk starts need the chunked kernels" if dest is not None else
+                  f"{chunk_reason}; has_initial_state needs the chunked kernels")
     o, ht = _reference(p, reason, q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
                        lower_bound=lb, A_log=A_log, dt_bias=dt_bias, state_v_first=state_v_first,
-                       cu_seqlens=cu_seqlens, core="chunk", chunk_states=dest, chunk_state_slots=slots)
+                       cu_seqlens=cu_seqlens, core="chunk", chunk_states=dest, chunk_state_slots=slots,
+                       ssm_state_indices=ssm_state_indices, has_initial_state=has_initial_state)
     return (o, ht) if h is None else (o, ht, h)
 
 
@@ -522,13 +543,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
               cu_seqlens_cpu=None, A_log=None, dt_bias=None, *, chunk_size=64, disable_recompute=False,
               return_intermediate_states=False, cp_context=None, use_graph=False, max_num_seqs=None,
-              transpose_state_layout=None, checkpoint_pool=None, checkpoint_slots=None):
+              transpose_state_layout=None, checkpoint_pool=None, checkpoint_slots=None, ssm_state_indices=None,
+              has_initial_state=None):
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
     _fla_chunk_options("chunk_kda", _KDA_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens)
     return _chunk("chunk_kda", False, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                   safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                  return_intermediate_states, checkpoint_pool, checkpoint_slots)
+                  return_intermediate_states, checkpoint_pool, checkpoint_slots, ssm_state_indices, has_initial_state)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -537,14 +559,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, *, chunk_size=64,
                            disable_recompute=False, return_intermediate_states=False, cp_context=None,
                            use_graph=False, max_num_seqs=None, chunk_indices=None, transpose_state_layout=None,
-                           checkpoint_pool=None, checkpoint_slots=None):
+                           checkpoint_pool=None, checkpoint_slots=None, ssm_state_indices=None, has_initial_state=None):
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
     _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs,
                        cu_seqlens)
     return _chunk("chunk_gated_delta_rule", True, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                   safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                  return_intermediate_states, checkpoint_pool, checkpoint_slots)
+                  return_intermediate_states, checkpoint_pool, checkpoint_slots, ssm_state_indices, has_initial_state)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -617,9 +639,21 @@ _CHUNK_EXTRA = """
             ``64 j`` tokens); a negative slot, one beyond the pool or ``j`` past the sequence's
             chunks writes nothing.
 
+    Serving mode (a state pool, no gather or scatter copies), keyword only:
+        ssm_state_indices: int32/int64 ``[N]``: sequence ``n`` starts from slot ``idx[n]`` of the pool
+            ``initial_state`` ``[num_slots, HV, K, V]`` (``[..., V, K]`` with ``state_v_first``; float32
+            or bfloat16, contiguous) and its final state is written back to that slot in place;
+            ``output_final_state`` is then moot and the pool is returned as the final state. A negative
+            slot is padding: the sequence is skipped, nothing is written, its output is zero (on CUDA a
+            slot beyond the pool too; ``FLASHKDA_DEBUG=1`` raises instead). Slots not named are never
+            touched.
+        has_initial_state: bool ``[N]`` (with ``ssm_state_indices``): ``False`` starts sequence ``n``
+            from zeros whatever its slot holds (a new sequence), and its final state still goes there.
+
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in the dtype of ``v``; ``final_state`` as described
-        under ``output_final_state``, or None; ``(o, final_state, h)`` with ``return_intermediate_states``.
+        under ``output_final_state`` (the pool in serving mode), or None; ``(o, final_state, h)`` with
+        ``return_intermediate_states``.
 """
 
 _RECURRENT_EXTRA = """

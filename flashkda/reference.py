@@ -153,6 +153,7 @@ def kda_reference(
     core: str = "chunk",
     chunk_states: Optional[torch.Tensor] = None,
     chunk_state_slots: Optional[torch.Tensor] = None,
+    has_initial_state: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Reference KDA (``g`` of shape ``[B, T, HV, K]``) or GDN (``g`` of shape ``[B, T, HV]``).
 
@@ -165,7 +166,8 @@ def kda_reference(
     tokens of each sequence, in its own dtype and the requested layout: entry Σ_{m<n} ceil(len_m /
     64) + j of ``chunk_states`` viewed as ``[entries, HV, ...]`` (FLA's h), or with
     ``chunk_state_slots [N, cols]`` slot ``chunk_state_slots[n, j]`` of that pool (j < cols; a slot
-    outside the pool skips).
+    outside the pool skips). ``has_initial_state`` (bool ``[N]``, with ``[N]`` indices): ``False``
+    starts that sequence from zeros instead of its slot.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -203,69 +205,65 @@ def kda_reference(
         final = torch.empty(shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
                             device=q.device)
 
-    def load(slot: int) -> torch.Tensor:
-        if initial_state is None:
+    def load(slot: int, n: int) -> torch.Tensor:
+        if initial_state is None or (has_initial_state is not None and not bool(has_initial_state[n])):
             return torch.zeros(1, HV, K, V, dtype=dtype, device=q.device)
         return _to_key_first(initial_state[slot], state_v_first).to(dtype)[None]
 
     def store(dst: torch.Tensor, slot: int, S: torch.Tensor) -> None:
         dst[slot] = _to_key_first(S[0], state_v_first).to(dst.dtype)
 
-    if not serving:
-        # Pieces of the sequence that run in one go: all of it, or its chunks when their states are kept.
+    pool = initial_state if serving else None
+    num_slots = pool.shape[0] if serving else N
+    idx = ssm_state_indices.tolist() if serving else list(range(N))
+    accepted = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None
+
+    def valid(slot: int) -> bool:
+        return 0 <= slot < num_slots
+
+    if not serving or ssm_state_indices.dim() == 1:
+        # One slot per sequence. Pieces that run in one go: the whole sequence, or its chunks when
+        # their states are kept.
         step = C.CHUNK_STATE_TOKENS if chunk_states is not None else max(T, 1)
         if chunk_states is not None:
             entries = chunk_states.reshape(-1, *chunk_states.shape[-3:])
             slots = chunk_state_slots.tolist() if chunk_state_slots is not None else None
         first = 0  # first entry of sequence n: Σ_{m<n} ceil(len_m / 64)
         for n, (b, bos, eos) in enumerate(seqs):
-            S = load(n)
+            slot = idx[n]
+            skipped = not valid(slot)  # a padding slot: zero output, nothing written (zeros in a dense h)
+            S = torch.zeros(1, HV, K, V, dtype=dtype, device=q.device) if skipped else load(slot, n)
             for j, s0 in enumerate(range(bos, eos, step)):
                 if chunk_states is not None:
-                    dst = first + j if slots is None else (slots[n][j] if j < len(slots[n]) else -1)
+                    dst = first + j if slots is None else (-1 if skipped or j >= len(slots[n]) else slots[n][j])
                     if 0 <= dst < entries.shape[0]:
                         store(entries, dst, S)
+                if skipped:
+                    continue
                 sl = slice(s0, min(s0 + step, eos))
                 on, S = run(qp[b:b + 1, sl], kp[b:b + 1, sl], vp[b:b + 1, sl], gp[b:b + 1, sl],
                             bp[b:b + 1, sl], S)
                 o[b, sl] = on[0].to(o.dtype)
             first += -(-(eos - bos) // C.CHUNK_STATE_TOKENS)
-            if final is not None:
-                store(final, n, S)
-        return o, final
+            if not skipped and (serving or final is not None):
+                store(pool if serving else final, slot, S)
+        return o, pool if serving else final
 
-    pool = initial_state
-    num_slots = pool.shape[0]
-    idx = ssm_state_indices.tolist()
-    accepted = num_accepted_tokens.tolist() if num_accepted_tokens is not None else None
-
-    def valid(slot: int) -> bool:
-        return 0 <= slot < num_slots
-
+    # One slot per token (speculative decoding).
     for n, (b, bos, eos) in enumerate(seqs):
-        if ssm_state_indices.dim() == 1:
-            slot = idx[n]
-            if not valid(slot) or eos == bos:
+        row = idx[n]
+        read_col = accepted[n] - 1 if accepted is not None else 0
+        if not (0 <= read_col < len(row)) or not valid(row[read_col]):
+            continue
+        S = load(row[read_col], n)
+        for i in range(eos - bos):
+            # A token whose slot is padding (or beyond the index row) is skipped: no update,
+            # no write, zero output.
+            if i >= len(row) or not valid(row[i]):
                 continue
-            sl = slice(bos, eos)
-            on, S = run(qp[b:b + 1, sl], kp[b:b + 1, sl], vp[b:b + 1, sl], gp[b:b + 1, sl],
-                        bp[b:b + 1, sl], load(slot))
-            o[b, sl] = on[0].to(o.dtype)
-            store(pool, slot, S)
-        else:
-            row = idx[n]
-            read_col = accepted[n] - 1 if accepted is not None else 0
-            if not (0 <= read_col < len(row)) or not valid(row[read_col]):
-                continue
-            S = load(row[read_col])
-            for i in range(eos - bos):
-                # A token whose slot is padding (or beyond the index row) is skipped: no update,
-                # no write, zero output.
-                if i >= len(row) or not valid(row[i]):
-                    continue
-                t = bos + i
-                on, S = run(qp[b:b + 1, t:t + 1], kp[b:b + 1, t:t + 1], vp[b:b + 1, t:t + 1],
-                            gp[b:b + 1, t:t + 1], bp[b:b + 1, t:t + 1], S)
-                o[b, t] = on[0, 0].to(o.dtype)
-                store(pool, row[i], S)
+            t = bos + i
+            on, S = run(qp[b:b + 1, t:t + 1], kp[b:b + 1, t:t + 1], vp[b:b + 1, t:t + 1],
+                        gp[b:b + 1, t:t + 1], bp[b:b + 1, t:t + 1], S)
+            o[b, t] = on[0, 0].to(o.dtype)
+            store(pool, row[i], S)
     return o, pool

@@ -5,7 +5,9 @@
 
 Lengths 1, 15, 16, 17, 0, 97 with GVA, a bf16 initial state, masks (exact diagonal path) and
 every value split and kernel family, whole chains and segments of one chunk (the local pass, the
-segment scan, the output pass), so every code path of the chunked kernels runs once.
+segment scan, the output pass), states at chunk starts (dense, and into a pool by int32 and int64
+slots) and the serving form (pool slots, a padding slot, has_initial_state), so every code path of
+the chunked kernels runs once.
 """
 
 import torch
@@ -26,5 +28,15 @@ if __name__ == "__main__":
             flashkda.chunk_kda(**kw, output_final_state=True)
         kw = make_inputs(lens=[5, 70], H=1, D=128, gdn=True, dtype=torch.float16, device="cuda")
         flashkda.chunk_gated_delta_rule(**kw, output_final_state=True)
+        flashkda.chunk_gated_delta_rule(**kw, return_intermediate_states=True)
+        kw = make_inputs(lens=[130, 0, 64, 3], H=1, D=128, dtype=torch.bfloat16, device="cuda",
+                         state_v_first=segment == 0)
+        for idx_type in (torch.int32, torch.int64):
+            ckpt = torch.tensor([[-1, 1, 2], [0, 3, 3], [-1, 3, -1], [4, -1, -1]], dtype=idx_type, device="cuda")
+            flashkda.chunk_kda(**kw, checkpoint_pool=torch.zeros(5, 1, 128, 128, device="cuda"), checkpoint_slots=ckpt)
+        pool = torch.zeros(6, 1, 128, 128, device="cuda", dtype=torch.bfloat16)
+        flashkda.chunk_kda(**dict(kw, initial_state=pool), ssm_state_indices=torch.tensor([5, 0, -1, 2], device="cuda"),
+                           has_initial_state=torch.tensor([True, False, True, True], device="cuda"),
+                           return_intermediate_states=True)
     torch.cuda.synchronize()
     print("sanitize_chunk: done")

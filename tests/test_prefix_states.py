@@ -1,5 +1,7 @@
 """States at chunk starts from the chunked prefill (prefix caching): ``return_intermediate_states``
-(FLA's ``h``) and checkpoints written into a state pool (``checkpoint_pool`` / ``checkpoint_slots``).
+(FLA's ``h``) and checkpoints written into a state pool (``checkpoint_pool`` / ``checkpoint_slots``);
+the prefill reading and writing its states in pool slots (``ssm_state_indices`` /
+``has_initial_state``).
 
 CPU tests pin the semantics on the reference; GPU tests check the kernels against the fp64 oracle at
 every chunk start (bf16 ``h``: the final-state bounds of the prefill), on freshly poisoned memory,
@@ -95,6 +97,72 @@ def test_chunk_state_arguments_are_checked():
                            checkpoint_slots=torch.zeros(2, 2, dtype=torch.int32))
 
 
+# Pool slots of the serving prefill: sequence 0 -> slot 4, 1 (empty) -> slot 1, 2 padding, 3 a new
+# sequence (from zeros, whatever slot 0 holds) -> slot 0, 4 -> slot 3; slots 2 and 5 unnamed.
+SERVING_LENS = [200, 0, 70, 33, 1000]
+SERVING_SLOTS = [4, 1, -1, 0, 3]
+SERVING_HAS_INITIAL = [True, True, True, False, True]
+
+
+def _serving_case(kw, pool_dtype):
+    """(pool, idx, has_initial_state, the equivalent gathered initial states)."""
+    N, (HV, D) = len(SERVING_LENS), kw["v"].shape[2:]
+    dev = kw["q"].device
+    pool = (0.1 * torch.randn(6, HV, D, D, generator=torch.Generator().manual_seed(11))).to(dev, pool_dtype)
+    idx = torch.tensor(SERVING_SLOTS, dtype=torch.int32, device=dev)
+    has = torch.tensor(SERVING_HAS_INITIAL, device=dev)
+    gathered = torch.zeros(N, HV, D, D, dtype=pool_dtype, device=dev)
+    for n, (slot, h) in enumerate(zip(SERVING_SLOTS, SERVING_HAS_INITIAL)):
+        if slot >= 0 and h:
+            gathered[n] = pool[slot]
+    return pool, idx, has, gathered
+
+
+def _check_serving(kw, gdn, pool, before, o, final, o_ref, final_ref, tol):
+    """o and the pool against the gathered call (o_ref, final_ref [N, ...]): the padding sequence's
+    output is zero, its slot and the unnamed ones are untouched."""
+    assert final is pool
+    bounds = [0, *torch.tensor(SERVING_LENS).cumsum(0).tolist()]
+    for n, slot in enumerate(SERVING_SLOTS):
+        seg = slice(bounds[n], bounds[n + 1])
+        if slot < 0:
+            assert (o[:, seg] == 0).all()
+            continue
+        assert rel_err(o[:, seg], o_ref[:, seg]) <= tol
+        assert rel_err(pool[slot].float(), final_ref[n].float()) <= tol
+    for slot in set(range(pool.shape[0])) - {s for s in SERVING_SLOTS if s >= 0}:
+        assert torch.equal(pool[slot], before[slot])
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+def test_reference_prefill_from_pool_slots(gdn):
+    kw = make_inputs(lens=SERVING_LENS, H=2, D=16, gdn=gdn, state_v_first=True, seed=12)
+    pool, idx, has, gathered = _serving_case(kw, torch.float32)
+    before = pool.clone()
+    o_ref, final_ref = public_fn("chunk", gdn)(**dict(kw, initial_state=gathered), output_final_state=True)
+    o, final = public_fn("chunk", gdn)(**dict(kw, initial_state=pool), ssm_state_indices=idx,
+                                       has_initial_state=has)
+    o_ref[:, SERVING_LENS[0] + SERVING_LENS[1]:sum(SERVING_LENS[:3])] = 0
+    _check_serving(kw, gdn, pool, before, o, final, o_ref, final_ref, 1e-6)
+
+
+def test_serving_prefill_arguments_are_checked():
+    kw = make_inputs(lens=[5, 9], H=2, D=16, seed=13)
+    pool = torch.zeros(4, 2, 16, 16)
+    idx = torch.tensor([0, 2])
+    with pytest.raises(ValueError, match=r"ssm_state_indices .*\[N\]"):
+        flashkda.chunk_kda(**dict(kw, initial_state=pool), ssm_state_indices=idx[:, None])
+    with pytest.raises(ValueError, match="has_initial_state needs ssm_state_indices"):
+        flashkda.chunk_kda(**kw, has_initial_state=torch.tensor([True, False]))
+    with pytest.raises(TypeError, match="has_initial_state"):
+        flashkda.chunk_kda(**dict(kw, initial_state=pool), ssm_state_indices=idx, has_initial_state=idx)
+    with pytest.raises(ValueError, match="has_initial_state"):
+        flashkda.chunk_kda(**dict(kw, initial_state=pool), ssm_state_indices=idx,
+                           has_initial_state=torch.tensor([True]))
+    with pytest.raises(ValueError, match="ssm_state_indices names slot 7"):
+        flashkda.chunk_kda(**dict(kw, initial_state=pool), ssm_state_indices=torch.tensor([0, 7]))
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
@@ -128,10 +196,12 @@ def test_gpu_h_against_fp64_at_every_chunk_start(monkeypatch, family, case):
 
 
 @cuda
+@pytest.mark.parametrize("state_v_first", [True, False])
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_gpu_checkpoints_into_a_pool(pool_dtype):
+def test_gpu_checkpoints_into_a_pool(pool_dtype, state_v_first):
     lens = [1000, 0, 130, 17]
-    kw = make_inputs(lens=lens, H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True, seed=8)
+    kw = make_inputs(lens=lens, H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=state_v_first,
+                     seed=8)
     pool = torch.full((10, 2, 128, 128), 1e30, dtype=pool_dtype, device="cuda")
     before = pool.clone()
     # every 512 tokens of sequence 0 (chunk 8), chunks 1 and 2 of sequence 2, nothing else
@@ -172,3 +242,35 @@ def test_gpu_resume_from_a_checkpoint():
     d1, _ = flashkda.fused_recurrent_kda(**step, initial_state=s, state_v_first=True)
     d2, _ = flashkda.fused_recurrent_kda(**step, initial_state=s2, state_v_first=True)
     assert rel_err(d2, d1) <= 5e-3
+
+
+@cuda
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+@pytest.mark.parametrize("case", ["kda_fp32_pool", "kda_bf16_pool_kfirst", "gdn", "segmented"])
+def test_gpu_prefill_from_pool_slots(monkeypatch, family, case):
+    """The serving prefill against the same call on gathered states: outputs and final states
+    bit-identical, the padding sequence's output zero and its h entries zero, unnamed slots
+    untouched; and against the fp64 oracle."""
+    gdn = case == "gdn"
+    pool_dtype = torch.bfloat16 if "bf16" in case else torch.float32
+    kw = make_inputs(lens=SERVING_LENS, H=2, D=128, gdn=gdn, dtype=torch.bfloat16, device="cuda",
+                     state_v_first=case != "kda_bf16_pool_kfirst", seed=14)
+    if case == "segmented":
+        monkeypatch.setattr(_ext.config, "chunk_segment", 2)
+    pool, idx, has, gathered = _serving_case(kw, pool_dtype)
+    before = pool.clone()
+    fn = public_fn("chunk", gdn)
+    with _ext.kernel_family(family):
+        o_ref, final_ref = fn(**dict(kw, initial_state=gathered), output_final_state=True)
+        _poison()
+        o, final, h = fn(**dict(kw, initial_state=pool), ssm_state_indices=idx, has_initial_state=has,
+                         return_intermediate_states=True)
+    torch.cuda.synchronize()
+    pad = slice(sum(SERVING_LENS[:2]), sum(SERVING_LENS[:3]))
+    o_ref[:, pad] = 0
+    _check_serving(kw, gdn, pool, before, o, final, o_ref, final_ref.to(pool_dtype), 0.0)
+    firsts = torch.tensor([0, *_entries(SERVING_LENS)]).cumsum(0).tolist()
+    assert (h[0, firsts[2]:firsts[3]] == 0).all()
+    ref_o, ref_s = reference64(dict(kw, initial_state=gathered), gdn=gdn, output_final_state=True)
+    assert rel_err(o[:, :pad.start], ref_o[:, :pad.start]) <= 6e-3
+    assert rel_err(final_ref, ref_s) <= 5e-3

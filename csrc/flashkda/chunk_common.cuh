@@ -79,6 +79,19 @@ __device__ __forceinline__ int64_t segment_matrix(const ChunkParams& p, int n, c
   return ((index * SegmentLayout::kKinds + kind) * p.HV + hv) * SegmentLayout::kMatrixFloats;
 }
 
+// The state slot of sequence n (of state_in / state_out): n, or in serving mode its pool slot, -1
+// when the slot is outside the pool (the sequence is skipped).
+__device__ __forceinline__ int64_t sequence_state_slot(const ChunkParams& p, int n) {
+  if (p.slot_indices == nullptr) return n;
+  const int64_t slot = load_index(p.slot_indices, p.idx_type, n);
+  return slot >= 0 && slot < p.num_slots ? slot : -1;
+}
+
+// Whether sequence n starts from its stored state (else from zeros).
+__device__ __forceinline__ bool reads_initial_state(const ChunkParams& p, int n) {
+  return p.state_in != nullptr && (p.has_initial_state == nullptr || p.has_initial_state[n]);
+}
+
 // Element (v, d) of Sᵀ (value row v, key column d) in a [kHeadDim][kHeadDim] state of either layout.
 __device__ __forceinline__ int64_t state_offset(bool v_first, int v, int d) {
   return v_first ? int64_t(v) * kHeadDim + d : int64_t(d) * kHeadDim + v;

@@ -106,6 +106,12 @@ struct ChunkParams : RecurrentParams {
   IndexType chunk_slot_type;
   int64_t chunk_slot_row_stride;
   int32_t chunk_slot_cols;
+
+  // Serving mode (RecurrentParams::slot_indices [N], a pool in state_in == state_out): sequence n
+  // starts from slot idx[n] and leaves its final state there; has_initial_state[n] == false starts
+  // it from zeros instead (nullptr: every sequence reads its slot). A slot outside [0, num_slots)
+  // skips the sequence: zero output, nothing written.
+  const bool* has_initial_state;  // [N] or nullptr
 };
 
 // Segment matrices of all sequences together (see segment_matrix): at most

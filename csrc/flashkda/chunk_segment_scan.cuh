@@ -52,7 +52,9 @@ __global__ void __launch_bounds__(ScanLayout::kThreads) chunk_segment_scan_kerne
   const int64_t chunks = recorded_chunks(p, seq);
   int64_t segs = (chunks + p.segment_chunks - 1) / p.segment_chunks;
   segs = segs < p.segments_per_seq ? segs : p.segments_per_seq;
-  const int64_t state_base = (int64_t(n) * p.HV + hv) * kHeadDim * kHeadDim;
+  const int64_t slot = sequence_state_slot(p, n);
+  if (slot < 0) return;  // serving mode, a padding slot: the output pass skips the sequence too
+  const int64_t state_base = (slot * p.HV + hv) * kHeadDim * kHeadDim;
 
   auto prefetch_transition = [&](int s) {  // P_s into buffer s % 2
     const float* src = p.seg_states + segment_matrix(p, n, seq, s, SegmentLayout::kTransition, hv);
@@ -68,7 +70,7 @@ __global__ void __launch_bounds__(ScanLayout::kThreads) chunk_segment_scan_kerne
 #pragma unroll
   for (int e = 0; e < L::kOwnCols; ++e) {
     float val = 0.f;
-    if (p.state_in != nullptr) {
+    if (reads_initial_state(p, n)) {
       const int64_t i = state_base + state_offset(p.state_v_first, v, c0 + e);
       val = p.state_in_dtype == DType::kBFloat16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
                                                  : static_cast<const float*>(p.state_in)[i];

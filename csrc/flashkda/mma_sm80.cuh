@@ -99,6 +99,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
+// One 4- or 8-byte element (T = uint32_t or uint64_t) from global to shared memory.
+template <typename T>
+__device__ __forceinline__ void cp_async_element(T* dst_smem, const T* src) {
+  cute::SM80_CP_ASYNC_CACHEALWAYS<T>::copy(*src, *dst_smem);
+}
+
 __device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
 
 // Waits until at most N committed groups of this thread are in flight. N = 0 stays inline PTX:
@@ -110,6 +116,14 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group 0;\n" ::);
   else
     cute::cp_async_wait<N>();
+}
+
+// Transposes an 8 x 8 matrix of 16-bit elements held in the m8n8 fragment layout (lane l: row l / 4,
+// columns 2 (l % 4) and 2 (l % 4) + 1, one 32-bit word).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  cute::SM75_U32x1_MOVM_T::copy(x, r);
+  return r;
 }
 
 template <typename Elem>
