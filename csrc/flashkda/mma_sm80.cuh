@@ -99,12 +99,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
-// One 4- or 8-byte element (T = uint32_t or uint64_t) from global to shared memory.
-template <typename T>
-__device__ __forceinline__ void cp_async_element(T* dst_smem, const T* src) {
-  cute::SM80_CP_ASYNC_CACHEALWAYS<T>::copy(*src, *dst_smem);
-}
-
 __device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
 
 // Waits until at most N committed groups of this thread are in flight. N = 0 stays inline PTX:
