@@ -9,11 +9,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
-#include <type_traits>
+#include <utility>
 
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>  // the N = 48 atoms
 
 #include "mma_sm80.cuh"
 
@@ -67,69 +69,47 @@ __device__ __forceinline__ void fence_operands(float (&d)[N][4]) {
     for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(d[i][e]);
 }
 
+namespace gmma = cute::SM90::GMMA;
+
+// CuTe's warpgroup MMA atom with A (64 x 16, K-major) from registers and fp32 accumulators, for
+// N = 16, 32, 48, 64 or 128 columns of B, B of major kMajorB, A scaled by kScaleA.
+template <typename Elem, int N, gmma::Major kMajorB, gmma::ScaleIn kScaleA>
+struct RsMma;
+#define FLASHKDA_RS_MMA(N)                                                                    \
+  template <gmma::Major kMajorB, gmma::ScaleIn kScaleA>                                       \
+  struct RsMma<__nv_bfloat16, N, kMajorB, kScaleA> {                                          \
+    using type = gmma::MMA_64x##N##x16_F32BF16BF16_RS<gmma::Major::K, kMajorB, kScaleA>;      \
+  };                                                                                          \
+  template <gmma::Major kMajorB, gmma::ScaleIn kScaleA>                                       \
+  struct RsMma<__half, N, kMajorB, kScaleA> {                                                 \
+    using type = gmma::MMA_64x##N##x16_F32F16F16_RS<gmma::Major::K, kMajorB, kScaleA>;        \
+  };
+FLASHKDA_RS_MMA(16)
+FLASHKDA_RS_MMA(32)
+FLASHKDA_RS_MMA(48)
+FLASHKDA_RS_MMA(64)
+FLASHKDA_RS_MMA(128)
+#undef FLASHKDA_RS_MMA
+
+// One atom on the accumulator tiles d[NT][4] (m16n8 layout: tile i holds columns 8 i .. 8 i + 7),
+// which the atom takes as its 4 NT accumulator registers in order.
+template <typename Mma, int NT, std::size_t... kI>
+__device__ __forceinline__ void rs_fma(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                       gmma::ScaleOut scale_d, std::index_sequence<kI...>) {
+  Mma::fma(a[0], a[1], a[2], a[3], desc_b, d[kI / 4][kI % 4]..., scale_d);
+}
+
 // d[NT][4] (64 x 8 NT fp32) = (scale_d ? d : 0) + kScaleA · A (64 x 16, registers) · B (16 x 8 NT,
 // K-major), NT = 2, 4, 6 or 8 (N = 16 .. 64). A slice of a triangular B (chunk::TriTile) takes
 // only the accumulators of its rows, the leading ones (leading_tiles).
-#define FLASHKDA_ACC_TILE(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define FLASHKDA_ACC_TILES2 FLASHKDA_ACC_TILE(0), FLASHKDA_ACC_TILE(1)
-#define FLASHKDA_ACC_TILES4 FLASHKDA_ACC_TILES2, FLASHKDA_ACC_TILE(2), FLASHKDA_ACC_TILE(3)
-#define FLASHKDA_ACC_TILES6 FLASHKDA_ACC_TILES4, FLASHKDA_ACC_TILE(4), FLASHKDA_ACC_TILE(5)
-#define FLASHKDA_ACC_TILES8 FLASHKDA_ACC_TILES6, FLASHKDA_ACC_TILE(6), FLASHKDA_ACC_TILE(7)
-#define FLASHKDA_REGS8 "%0,%1,%2,%3,%4,%5,%6,%7"
-#define FLASHKDA_REGS16 FLASHKDA_REGS8 ",%8,%9,%10,%11,%12,%13,%14,%15"
-#define FLASHKDA_REGS24 FLASHKDA_REGS16 ",%16,%17,%18,%19,%20,%21,%22,%23"
-#define FLASHKDA_REGS32 FLASHKDA_REGS24 ",%24,%25,%26,%27,%28,%29,%30,%31"
-// Operands: the accumulators (4 NT), then A (4), the descriptor, scale_d and kScaleA.
-#define FLASHKDA_WGMMA_RS(N, TYPE, ACC, DREGS, A0, A1, A2, A3, DESC, PRED, SCALE)                          \
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, " PRED ", 0;\n wgmma.mma_async.sync.aligned.m64n" #N \
-               "k16.f32." TYPE "." TYPE " {" DREGS "}, {" A0 "," A1 "," A2 "," A3 "}, " DESC ", p, " SCALE   \
-               ", 1, 0;\n}\n"                                                                            \
-               : ACC                                                                                     \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(scale_d)), "n"(kScaleA))
-#define FLASHKDA_WGMMA_RS_TYPES                        \
-  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) { \
-    FLASHKDA_WGMMA_RS_N("bf16");                       \
-  } else {                                             \
-    FLASHKDA_WGMMA_RS_N("f16");                        \
-  }
 template <typename Elem, int kScaleA, int NT>
 __device__ __forceinline__ void wgmma_m64nNk16_rs(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   bool scale_d) {
   static_assert(kScaleA == 1 || kScaleA == -1, "A scale is +1 or -1");
   static_assert(NT == 2 || NT == 4 || NT == 6 || NT == 8, "N = 16, 32, 48 or 64");
-  if constexpr (NT == 2) {
-#define FLASHKDA_WGMMA_RS_N(TYPE) \
-  FLASHKDA_WGMMA_RS(16, TYPE, FLASHKDA_ACC_TILES2, FLASHKDA_REGS8, "%8", "%9", "%10", "%11", "%12", "%13", "%14")
-    FLASHKDA_WGMMA_RS_TYPES
-#undef FLASHKDA_WGMMA_RS_N
-  } else if constexpr (NT == 4) {
-#define FLASHKDA_WGMMA_RS_N(TYPE) \
-  FLASHKDA_WGMMA_RS(32, TYPE, FLASHKDA_ACC_TILES4, FLASHKDA_REGS16, "%16", "%17", "%18", "%19", "%20", "%21", "%22")
-    FLASHKDA_WGMMA_RS_TYPES
-#undef FLASHKDA_WGMMA_RS_N
-  } else if constexpr (NT == 6) {
-#define FLASHKDA_WGMMA_RS_N(TYPE) \
-  FLASHKDA_WGMMA_RS(48, TYPE, FLASHKDA_ACC_TILES6, FLASHKDA_REGS24, "%24", "%25", "%26", "%27", "%28", "%29", "%30")
-    FLASHKDA_WGMMA_RS_TYPES
-#undef FLASHKDA_WGMMA_RS_N
-  } else {
-#define FLASHKDA_WGMMA_RS_N(TYPE) \
-  FLASHKDA_WGMMA_RS(64, TYPE, FLASHKDA_ACC_TILES8, FLASHKDA_REGS32, "%32", "%33", "%34", "%35", "%36", "%37", "%38")
-    FLASHKDA_WGMMA_RS_TYPES
-#undef FLASHKDA_WGMMA_RS_N
-  }
+  using Mma = typename RsMma<Elem, 8 * NT, gmma::Major::K, kScaleA == 1 ? gmma::ScaleIn::One : gmma::ScaleIn::Neg>::type;
+  rs_fma<Mma>(d, a, desc_b, scale_d ? gmma::ScaleOut::One : gmma::ScaleOut::Zero, std::make_index_sequence<4 * NT>{});
 }
-#undef FLASHKDA_WGMMA_RS_TYPES
-#undef FLASHKDA_WGMMA_RS
-#undef FLASHKDA_REGS32
-#undef FLASHKDA_REGS24
-#undef FLASHKDA_REGS16
-#undef FLASHKDA_REGS8
-#undef FLASHKDA_ACC_TILES8
-#undef FLASHKDA_ACC_TILES6
-#undef FLASHKDA_ACC_TILES4
-#undef FLASHKDA_ACC_TILES2
-#undef FLASHKDA_ACC_TILE
 
 // The first kCount accumulator n-tiles of d, as an array of their own (for wgmma_m64nNk16_rs).
 // Only leading tiles: with a block of tiles further in, ptxas serialized every wgmma of the kernel
@@ -143,30 +123,8 @@ __device__ __forceinline__ float (&leading_tiles(float (&d)[NT][4]))[kCount][4] 
 // d[16][4] (64 x 128 fp32) += A (64 x 16, registers) · B (16 x 128, MN-major: rows of B contiguous).
 template <typename Elem>
 __device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b) {
-#define FLASHKDA_WGMMA_N128(TYPE)                                                                                  \
-  asm volatile(                                                                                                    \
-      "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n"                                                               \
-      " wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " "                                            \
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"    \
-      "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,"   \
-      "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                        \
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),    \
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),    \
-        "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),    \
-        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),    \
-        "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),    \
-        "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]),  \
-        "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),             \
-        "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]),             \
-        "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),             \
-        "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])                                              \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) {
-    FLASHKDA_WGMMA_N128("bf16");
-  } else {
-    FLASHKDA_WGMMA_N128("f16");
-  }
-#undef FLASHKDA_WGMMA_N128
+  using Mma = typename RsMma<Elem, 128, gmma::Major::MN, gmma::ScaleIn::One>::type;
+  rs_fma<Mma>(d, a, desc_b, gmma::ScaleOut::One, std::make_index_sequence<64>{});
 }
 
 }  // namespace sm90
