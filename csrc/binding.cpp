@@ -29,8 +29,8 @@
 #include <cstdint>
 
 #include "flashkda/api.h"
-#include "flashkda/constants.h"
-#include "flashkda/static_switch.h"
+#include "flashkda/common/constants.h"
+#include "flashkda/common/static_switch.h"
 
 namespace flashkda {
 namespace {

@@ -1,6 +1,6 @@
 """Numerical constants of the contract and kernel limits, defined once.
 
-The CUDA side reads the same values from ``csrc/flashkda/constants.h``; ``tests/test_api.py``
+The CUDA side reads the same values from ``csrc/flashkda/common/constants.h``; ``tests/test_api.py``
 (``test_cuda_constants_match_python``) checks that the two agree.
 """
 
@@ -15,7 +15,7 @@ KERNEL_HEAD_DIMS = (64, 128)
 #: Range allowed for ``lower_bound``.
 LOWER_BOUND_MIN = -5.0
 #: Head dimension (K == V) of the chunked prefill kernels (``chunk::kHeadDim`` in
-#: csrc/flashkda/chunk_params.h); other kernel head dims run prefill on the recurrent kernel.
+#: csrc/flashkda/prefill/chunk_params.h); other kernel head dims run prefill on the recurrent kernel.
 CHUNK_HEAD_DIM = 128
 #: Tokens per chunk of the chunked kernels (``chunk::kChunk``): the states of
 #: ``return_intermediate_states`` and of prefill checkpoints are those at multiples of it.

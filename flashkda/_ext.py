@@ -38,7 +38,7 @@ def _env_flag(name: str) -> bool:
 
 
 #: Kernel families by name, as the extension numbers them (``KernelFamily`` in
-#: csrc/flashkda/recurrent_params.h).
+#: csrc/flashkda/common/recurrent_params.h).
 KERNEL_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}
 
 

@@ -29,7 +29,7 @@ _KERNEL_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_TYPES = (torch.float32, torch.bfloat16, torch.float64)
 _INDEX_TYPES = (torch.int32, torch.int64)
 
-# Gate modes of the kernels; values match flashkda::GateMode in csrc/flashkda/recurrent_params.h.
+# Gate modes of the kernels; values match flashkda::GateMode in csrc/flashkda/common/recurrent_params.h.
 GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = 0, 1, 2
 
 #: ``flashkda._C.fused_recurrent`` (None without the extension): the public ``fused_recurrent_*``

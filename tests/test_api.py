@@ -374,21 +374,21 @@ def test_varlen_call_equals_separate_calls():
 
 
 def test_cuda_constants_match_python():
-    text = (ROOT / "csrc" / "flashkda" / "constants.h").read_text()
+    text = (ROOT / "csrc" / "flashkda" / "common" / "constants.h").read_text()
     eps = float(re.search(r"kL2NormEps = ([0-9.e+-]+)f", text).group(1))
     thr = float(re.search(r"kSoftplusThreshold = ([0-9.e+-]+)f", text).group(1))
     assert eps == C.L2NORM_EPS and thr == C.SOFTPLUS_THRESHOLD
     assert float(re.search(r"kLowerBoundMin = ([0-9.e+-]+);", text).group(1)) == C.LOWER_BOUND_MIN
-    switch = (ROOT / "csrc" / "flashkda" / "static_switch.h").read_text()
+    switch = (ROOT / "csrc" / "flashkda" / "common" / "static_switch.h").read_text()
     dims = sorted(int(d) for d in re.findall(r"CONST_NAME = (\d+);", switch))
     assert tuple(dims) == C.KERNEL_HEAD_DIMS
-    params = (ROOT / "csrc" / "flashkda" / "recurrent_params.h").read_text()
+    params = (ROOT / "csrc" / "flashkda" / "common" / "recurrent_params.h").read_text()
     from flashkda import api
 
     for name, value in (("kPrecomputed", api.GATE_PRECOMPUTED), ("kLowerBound", api.GATE_LOWER_BOUND),
                         ("kSoftplus", api.GATE_SOFTPLUS)):
         assert re.search(rf"{name} = {value},", params)
-    chunk = (ROOT / "csrc" / "flashkda" / "chunk_params.h").read_text()
+    chunk = (ROOT / "csrc" / "flashkda" / "prefill" / "chunk_params.h").read_text()
     assert int(re.search(r"constexpr int kHeadDim = (\d+);", chunk).group(1)) == C.CHUNK_HEAD_DIM
     assert int(re.search(r"constexpr int kChunk = (\d+);", chunk).group(1)) == C.CHUNK_STATE_TOKENS
     binding = (ROOT / "csrc" / "binding.cpp").read_text()
@@ -409,7 +409,7 @@ def test_devices_without_a_kernel_image_are_named(monkeypatch, cc, ok):
 
 def test_kernel_family_switch(monkeypatch):
     """FLASHKDA_KERNEL_FAMILY names map to the extension's KernelFamily values; bad names raise."""
-    params = (ROOT / "csrc" / "flashkda" / "recurrent_params.h").read_text()
+    params = (ROOT / "csrc" / "flashkda" / "common" / "recurrent_params.h").read_text()
     enums = {"auto": "kAuto", "sm80": "kSm80", "sm90": "kSm90"}
     assert set(enums) == set(_ext.KERNEL_FAMILIES)
     for name, value in _ext.KERNEL_FAMILIES.items():

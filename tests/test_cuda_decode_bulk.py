@@ -1,7 +1,7 @@
 """The default family's decode kernels against the sm_80 one and the fp64 oracle: an fp32 state runs
-csrc/flashkda/decode_stream.cuh (any device); a bf16 state with one token per sequence in a uniform
-batch csrc/flashkda/decode_stream_tc.cuh (any device), other bf16 cases csrc/flashkda/decode_bulk.cuh
-(sm_90).
+csrc/flashkda/decode/decode_stream.cuh (any device); a bf16 state with one token per sequence in a
+uniform batch csrc/flashkda/decode/decode_stream_tc.cuh (any device), other bf16 cases
+csrc/flashkda/decode/decode_bulk.cuh (sm_90).
 
 Sizes give every block of the persistent grids dozens of work items, so the bulk kernel's stage ring
 wraps many times and its producer resolves several batches of 32 items, and every warp of the
@@ -184,8 +184,8 @@ SLOT_ORDER_CASES = {
 
 @pytest.mark.parametrize("pool_dtype,layout", list(SLOT_ORDER_CASES), ids=lambda x: str(x).replace("torch.", ""))
 def test_slot_order_wide_span(pool_dtype, layout):
-    """The persistent decode kernels take their sequences in slot order (csrc/flashkda/slot_order.cuh),
-    sorted by every block alike. Slots spread over a span wider than the sort's 1024 ranges
+    """The persistent decode kernels take their sequences in slot order
+    (csrc/flashkda/decode/slot_order.cuh), sorted by every block alike. Slots spread over a span wider than the sort's 1024 ranges
     ("spread": ranges shared by several sequences), nine sequences in one range ("crowded": the
     launch keeps index order), and more sequences than the sort takes ("many_sequences"); padding
     in each. Against the sm_80 family, with the output poisoned and untouched slots compared bit

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "flashkda/chunk_params.h"
+#include "flashkda/prefill/chunk_params.h"
 #include "token_case.cuh"
 
 inline flashkda::ChunkParams chunk_case_params(int T, int H, const __nv_bfloat16* q, const __nv_bfloat16* k,

@@ -12,7 +12,7 @@
 #include <random>
 #include <vector>
 
-#include "flashkda/recurrent_params.h"
+#include "flashkda/common/recurrent_params.h"
 #include "harness.cuh"
 #include "token_case.cuh"
 

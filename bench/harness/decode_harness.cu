@@ -21,10 +21,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "flashkda/decode_bulk.cuh"
-#include "flashkda/decode_stream.cuh"
-#include "flashkda/decode_stream_tc.cuh"
 #include "decode_case.cuh"
+#include "flashkda/decode/decode_bulk.cuh"
+#include "flashkda/decode/decode_stream.cuh"
+#include "flashkda/decode/decode_stream_tc.cuh"
 
 #ifndef CONSUMER_WARPS
 #define CONSUMER_WARPS 4

@@ -20,7 +20,7 @@ def main() -> None:
     src, dst = sys.argv[1], sys.argv[2]
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
-    path = f"{dst}/flashkda/chunk_prepare.cuh"
+    path = f"{dst}/flashkda/prefill/chunk_prepare.cuh"
     text = open(path).read()
     anchor = "PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);\n"
     assert anchor in text

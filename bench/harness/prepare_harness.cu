@@ -17,8 +17,8 @@
 #ifdef PHASE_CLOCKS
 __device__ unsigned long long g_phase_cycles[16];
 #endif
-#include "flashkda/chunk_prepare.cuh"
 #include "chunk_case.cuh"
+#include "flashkda/prefill/chunk_prepare.cuh"
 #include "harness.cuh"
 
 int main(int argc, char** argv) {

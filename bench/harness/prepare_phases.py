@@ -29,7 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from phase_clocks import MARKS  # noqa: E402
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../csrc/flashkda/chunk_prepare.cuh")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../csrc/flashkda/prefill/chunk_prepare.cuh")
 KERNEL = "chunk_prepare_kernel"
 
 

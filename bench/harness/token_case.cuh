@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "flashkda/recurrent_params.h"
+#include "flashkda/common/recurrent_params.h"
 
 inline void set_benchmark_tokens(flashkda::RecurrentParams& p, int B, int T, int H, const __nv_bfloat16* q,
                                  const __nv_bfloat16* k, const __nv_bfloat16* v, const __nv_bfloat16* g,

@@ -4,8 +4,8 @@
 
 #include <cuda_runtime.h>
 
-#include "chunk_params.h"
-#include "recurrent_params.h"
+#include "flashkda/common/recurrent_params.h"
+#include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
 

@@ -1,2 +1,2 @@
 // The varlen chunk index (one small kernel).
-#include "flashkda/chunk_index.cuh"
+#include "flashkda/prefill/chunk_index.cuh"

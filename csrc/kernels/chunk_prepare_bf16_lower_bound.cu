@@ -1,5 +1,5 @@
 // chunk_prepare for the lower-bound gate on a 16-bit per-channel g (chunk_prepare.cuh, PrepareGate).
-#include "flashkda/chunk_prepare.cuh"
+#include "flashkda/prefill/chunk_prepare.cuh"
 
 template cudaError_t
 flashkda::chunk::launch_prepare<__nv_bfloat16, flashkda::chunk::PrepareGate::kLowerBound16>(const flashkda::ChunkParams&,

@@ -1,4 +1,4 @@
 // One instantiation per translation unit so that the build runs in parallel.
-#include "flashkda/chunk_recurrence.cuh"
+#include "flashkda/prefill/chunk_recurrence.cuh"
 
 template cudaError_t flashkda::run_chunk_recurrence<__half, 128>(const flashkda::ChunkParams&, cudaStream_t);

@@ -1,9 +1,9 @@
 // The segment scan of the chunked forward (one small kernel), and the chunked kernels' shared-memory
 // need (api.h).
 #include "flashkda/api.h"
-#include "flashkda/chunk_prepare.cuh"
-#include "flashkda/chunk_recurrence.cuh"
-#include "flashkda/chunk_segment_scan.cuh"
+#include "flashkda/prefill/chunk_prepare.cuh"
+#include "flashkda/prefill/chunk_recurrence.cuh"
+#include "flashkda/prefill/chunk_segment_scan.cuh"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
 // One instantiation per translation unit so that the build runs in parallel.
-#include "flashkda/decode_bulk.cuh"
+#include "flashkda/decode/decode_bulk.cuh"
 
 template cudaError_t flashkda::run_decode_bulk<float, float>(const flashkda::RecurrentParams&, cudaStream_t, bool&);

@@ -1,4 +1,4 @@
 // One instantiation per translation unit so that the build runs in parallel.
-#include "flashkda/decode_stream.cuh"
+#include "flashkda/decode/decode_stream.cuh"
 
 template cudaError_t flashkda::run_decode_stream<__nv_bfloat16>(const flashkda::RecurrentParams&, cudaStream_t, bool&);

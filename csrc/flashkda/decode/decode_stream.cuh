@@ -31,11 +31,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "api.h"
-#include "recurrent_common.cuh"
-#include "recurrent_params.h"
-#include "slot_order.cuh"
-#include "token_math.cuh"
+#include "flashkda/api.h"
+#include "flashkda/common/recurrent_params.h"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/decode/recurrent_common.cuh"
+#include "flashkda/decode/slot_order.cuh"
 
 namespace flashkda {
 namespace decode_stream {

@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "constants.h"
-#include "recurrent_params.h"
+#include "flashkda/common/constants.h"
+#include "flashkda/common/recurrent_params.h"
 
 namespace flashkda {
 

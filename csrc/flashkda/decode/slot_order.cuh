@@ -31,8 +31,8 @@
 #include <climits>
 #include <cstdint>
 
-#include "recurrent_common.cuh"
-#include "recurrent_params.h"
+#include "flashkda/common/recurrent_params.h"
+#include "flashkda/decode/recurrent_common.cuh"
 
 namespace flashkda {
 namespace recurrent {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "recurrent_params.h"
+#include "flashkda/common/recurrent_params.h"
 
 namespace flashkda {
 namespace chunk {

@@ -17,7 +17,7 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/arch/mma_sm90_gmma_ext.hpp>  // the N = 48 atoms
 
-#include "mma_sm80.cuh"
+#include "flashkda/common/mma_sm80.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FLASHKDA_WGMMA 1

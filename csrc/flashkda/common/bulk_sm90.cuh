@@ -15,7 +15,7 @@
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include "mma_sm80.cuh"
+#include "flashkda/common/mma_sm80.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define FLASHKDA_BULK_COPY 1

@@ -26,13 +26,13 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "api.h"
-#include "bulk_sm90.cuh"
-#include "chunk_common.cuh"
-#include "chunk_params.h"
-#include "constants.h"
-#include "mma_sm80.cuh"
-#include "token_math.cuh"
+#include "flashkda/api.h"
+#include "flashkda/common/bulk_sm90.cuh"
+#include "flashkda/common/constants.h"
+#include "flashkda/common/mma_sm80.cuh"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/prefill/chunk_common.cuh"
+#include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
 namespace chunk {

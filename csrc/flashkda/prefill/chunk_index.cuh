@@ -6,8 +6,8 @@
 
 #include <cuda_runtime.h>
 
-#include "chunk_common.cuh"
-#include "chunk_params.h"
+#include "flashkda/prefill/chunk_common.cuh"
+#include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
 namespace chunk {

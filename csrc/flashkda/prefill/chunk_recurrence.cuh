@@ -22,12 +22,12 @@
 #include <cstdint>
 #include <utility>
 
-#include "bulk_sm90.cuh"
-#include "chunk_common.cuh"
-#include "chunk_params.h"
-#include "mma_sm80.cuh"
-#include "token_math.cuh"
-#include "wgmma_sm90.cuh"
+#include "flashkda/common/bulk_sm90.cuh"
+#include "flashkda/common/mma_sm80.cuh"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/common/wgmma_sm90.cuh"
+#include "flashkda/prefill/chunk_common.cuh"
+#include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
 namespace chunk {

@@ -14,10 +14,10 @@
 
 #include <cstdint>
 
-#include "chunk_common.cuh"
-#include "chunk_params.h"
-#include "mma_sm80.cuh"
-#include "token_math.cuh"
+#include "flashkda/common/mma_sm80.cuh"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/prefill/chunk_common.cuh"
+#include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
 namespace chunk {

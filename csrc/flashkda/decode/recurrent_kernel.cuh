@@ -15,11 +15,11 @@
 
 #include <cstdint>
 
-#include "api.h"
-#include "constants.h"
-#include "recurrent_common.cuh"
-#include "recurrent_params.h"
-#include "token_math.cuh"
+#include "flashkda/api.h"
+#include "flashkda/common/constants.h"
+#include "flashkda/common/recurrent_params.h"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/decode/recurrent_common.cuh"
 
 namespace flashkda {
 namespace recurrent {

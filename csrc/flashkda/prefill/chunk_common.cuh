@@ -5,10 +5,10 @@
 
 #include <cstdint>
 
-#include "chunk_params.h"
-#include "kernel_launch.cuh"
-#include "mma_sm80.cuh"
-#include "token_math.cuh"
+#include "flashkda/common/kernel_launch.cuh"
+#include "flashkda/common/mma_sm80.cuh"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
 namespace chunk {

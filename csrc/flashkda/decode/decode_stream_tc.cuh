@@ -37,11 +37,11 @@
 #include <atomic>
 #include <cstdint>
 
-#include "api.h"
-#include "decode_stream.cuh"
-#include "mma_sm80.cuh"
-#include "recurrent_common.cuh"
-#include "recurrent_params.h"
+#include "flashkda/api.h"
+#include "flashkda/common/mma_sm80.cuh"
+#include "flashkda/common/recurrent_params.h"
+#include "flashkda/decode/decode_stream.cuh"
+#include "flashkda/decode/recurrent_common.cuh"
 
 namespace flashkda {
 namespace decode_stream_tc {

@@ -25,12 +25,12 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "api.h"
-#include "bulk_sm90.cuh"
-#include "kernel_launch.cuh"
-#include "recurrent_common.cuh"
-#include "recurrent_params.h"
-#include "token_math.cuh"
+#include "flashkda/api.h"
+#include "flashkda/common/bulk_sm90.cuh"
+#include "flashkda/common/kernel_launch.cuh"
+#include "flashkda/common/recurrent_params.h"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/decode/recurrent_common.cuh"
 
 // The kernel's device code exists only in sm_90+ compilation passes (FLASHKDA_BULK_COPY); the
 // sm_80 pass compiles an empty body, which the host never launches (run_decode_bulk checks the
