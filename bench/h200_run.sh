@@ -17,7 +17,9 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
-# chunk_prepare, chunk_recurrence and the sm_90 decode kernel).
+# chunk_prepare, chunk_recurrence and the sm_90 decode kernel) | prefix (prefix caching: the
+# issue's cases of bench/test_prefill.py with the plain call and FLA's flagged call, then
+# bench/prefix_variants.py).
 # FLA's Triton kernels compile (and autotune) on first use: minutes on a fresh machine (one test
 # took 205 s). A Triton cache from an earlier run, carried as .cache/triton.tar.xz.NN (git-ignored:
 # name .cache in the device call's carry), is unpacked first. Every run leaves its cache in
@@ -117,6 +119,13 @@ if [[ $what == prefill || $what == fla ]]; then
     -p no:cacheprovider --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -3
   python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" \
     ${PREFILL_MARK+--plot "$OUT/prefill_vs_T.png"} || rc=1
+fi
+if [[ $what == prefix ]]; then
+  FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-200} python3 -m pytest -q bench/test_prefill.py -k prefix -p no:cacheprovider \
+    --flashkda-results "$OUT/results.json" --benchmark-disable-gc --benchmark-columns=median 2>&1 | tail -1
+  FLASHKDA_FLA_BACKEND=0 PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} timeout 120 python3 bench/prefix_variants.py \
+    2>&1 | grep -v -i warn
+  python3 bench/report.py "$OUT/results.json" --markdown "$OUT/table.md" >/dev/null && cat "$OUT/table.md" || rc=1
 fi
 if [[ $what == e2e ]]; then  # the FLA drop-in: TESTS, FLA's dispatch host cost, FLA's KDA model end to end
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
