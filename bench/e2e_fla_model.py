@@ -14,8 +14,9 @@ cu_seqlens. Per gate and backend (FLASHKDA_FLA_BACKEND=0: FLA's Triton kernels; 
   --new-tokens tokens (min_new_tokens too), median of max(3, --repeats) after 1 warm-up;
 * calls_total / calls_served: calls of fla.layers.kda.chunk_kda and fused_recurrent_kda (the
   layer's two entry points), and of chunk_kda / fused_recurrent_kda_fwd on flashkda's backend objects
-  in FLA's registries (what FLA runs when it picks flashkda), counted over one extra forward +
-  generate, not the timed runs;
+  in FLA's registries (what FLA runs when it picks flashkda) less the calls those hand back to FLA's
+  kernel (flashkda.integrations.fla._fla_fallback), counted over one extra forward + generate, not
+  the timed runs;
 * logits_rel_diff_vs_fla / top1_agree_vs_fla (flashkda rows): last-position logits of that forward
   against those of the backend-off forward (relative L2 error; fraction of equal argmaxes).
 
@@ -93,6 +94,9 @@ def count_calls():
             if key == "reasons":
                 if not result[0]:
                     c["reasons"].add(f"{name}: {result[1]}")
+            elif key == "handed_back":  # accepted by the verifier, run by FLA's kernel after all
+                c["calls_served"] -= 1
+                c["reasons"].add(f"{name}: {args[0]}")
             else:
                 c[key] += 1
             return result
@@ -105,6 +109,7 @@ def count_calls():
     for backend, name in ((chunk_backend, "chunk_kda"), (op_backend, "fused_recurrent_kda_fwd")):
         patch(backend, name, "calls_served")
         patch(backend, name + "_verifier", "reasons")
+    patch(integ, "_fla_fallback", "handed_back")
     try:
         yield c
     finally:

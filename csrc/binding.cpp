@@ -66,6 +66,15 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(last_dim_contiguous(t), "flashkda: ", name, " must be contiguous in its last dimension");
 }
 
+// Serving mode of recurrent_fwd and chunk_fwd: the pool comes as final_state (read at and written
+// back to the slots), the slot indices beside q.
+void check_serving_state(const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& final_state,
+                         const at::Tensor& ssm_state_indices, const at::Tensor& q) {
+  TORCH_CHECK(final_state.has_value() && !initial_state.has_value(),
+              "flashkda: serving mode takes the pool as final_state");
+  check_cuda(ssm_state_indices, q, "ssm_state_indices");
+}
+
 // Process-wide choice of the kernel family (flashkda/_ext.py sets it from
 // FLASHKDA_KERNEL_FAMILY at import); read by every recurrent and chunked call.
 std::atomic<int32_t> g_kernel_family{int32_t(KernelFamily::kAuto)};
@@ -259,8 +268,7 @@ void recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    bool state_v_first) {
   check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
   if (ssm_state_indices.has_value()) {
-    TORCH_CHECK(final_state.has_value() && !initial_state.has_value(), "flashkda: serving mode takes the pool as final_state");
-    check_cuda(*ssm_state_indices, q, "ssm_state_indices");
+    check_serving_state(initial_state, final_state, *ssm_state_indices, q);
     check_last_dim_contiguous(*ssm_state_indices, "ssm_state_indices");
     if (num_accepted_tokens.has_value()) {
       check_cuda(*num_accepted_tokens, q, "num_accepted_tokens");
@@ -472,7 +480,7 @@ PyObject* new_ref(PyObject* o) {
   return o;
 }
 
-// The arguments of fused_recurrent / fused_recurrent_check, checked: null when they cannot be
+// The arguments of fused_recurrent, checked: null when they cannot be
 // checked (a wrong count; the Python error is set), else why the kernel cannot take them as given
 // (the empty string: it can).
 const char* checked_call(const char* fn, PyObject* const* args, Py_ssize_t nargs, Call& c) {
@@ -483,29 +491,6 @@ const char* checked_call(const char* fn, PyObject* const* args, Py_ssize_t nargs
   const char* why = check(args, c);
   return why != nullptr ? why : "";
 }
-
-// The module function fused_recurrent_check: fused_recurrent's checks alone (nothing launches).
-// None when fused_recurrent would launch with these arguments, else the str it would return. The
-// FLA backend's verifier asks it, so that a served decode call pays for the checks in C++.
-PyObject* fused_recurrent_check(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
-  try {
-    Call c;
-    const char* why = checked_call("fused_recurrent_check", args, nargs, c);
-    if (why == nullptr) return nullptr;
-    if (*why != '\0') return PyUnicode_FromString(why);
-    Py_RETURN_NONE;
-  } catch (...) {
-    torch::translate_exception_to_python(std::current_exception());
-    return nullptr;
-  }
-}
-
-PyMethodDef fused_recurrent_check_def = {
-    "fused_recurrent_check",
-    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fused_recurrent_check)), METH_FASTCALL,
-    "fused_recurrent_check(<the arguments of fused_recurrent>, /)\n--\n\n"
-    "None when fused_recurrent would launch the kernel with these arguments, else the str saying why not; "
-    "launches nothing."};
 
 // The module function fused_recurrent (signature and doc: fused_recurrent_def). A plain CPython
 // function (METH_FASTCALL): no argument conversion layer, and the outputs that the caller passed in
@@ -600,8 +585,7 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                const std::optional<at::Tensor>& has_initial_state) {
   check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
   if (ssm_state_indices.has_value()) {
-    TORCH_CHECK(final_state.has_value() && !initial_state.has_value(), "flashkda: serving mode takes the pool as final_state");
-    check_cuda(*ssm_state_indices, q, "ssm_state_indices");
+    check_serving_state(initial_state, final_state, *ssm_state_indices, q);
     TORCH_CHECK(ssm_state_indices->dim() == 1 && ssm_state_indices->is_contiguous(),
                 "flashkda: the prefill's ssm_state_indices must be a contiguous [N] tensor");
   }
@@ -785,8 +769,4 @@ PYBIND11_MODULE(_C, m) {
       PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();
   m.add_object("fused_recurrent", pybind11::reinterpret_steal<pybind11::object>(fused_recurrent));
-  PyObject* fused_recurrent_check =
-      PyCFunction_NewEx(&flashkda::fast::fused_recurrent_check_def, nullptr, m.attr("__name__").ptr());
-  if (fused_recurrent_check == nullptr) throw pybind11::error_already_set();
-  m.add_object("fused_recurrent_check", pybind11::reinterpret_steal<pybind11::object>(fused_recurrent_check));
 }

@@ -78,8 +78,7 @@ config = Config.from_env()
 try:
     from flashkda import _C  # noqa: F401  (registers torch.ops.flashkda)
 
-    fused_recurrent_fast = _C.fused_recurrent  # a build older than this package lacks them: rebuild
-    fused_recurrent_check = _C.fused_recurrent_check
+    fused_recurrent_fast = _C.fused_recurrent  # a build older than this package lacks it: rebuild
     HAS_EXTENSION = True
     EXTENSION_ERROR = None
 except (ImportError, AttributeError) as e:  # pure-Python install, a build for another torch, a stale build

@@ -80,6 +80,7 @@ def _validate(
     fn: str, q, k, v, g, beta, *, scalar_gate: bool, scale, initial_state, cu_seqlens, cu_seqlens_cpu,
     use_gate_in_kernel: bool, A_log, dt_bias, lower_bound, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, state_v_first: bool, ssm_state_indices=None, num_accepted_tokens=None, out=None,
+    has_initial_state=None,
 ) -> _Problem:
     _tensor(q, "q"), _tensor(k, "k"), _tensor(v, "v"), _tensor(g, "g"), _tensor(beta, "beta")
     if q.dim() != 4:
@@ -173,6 +174,11 @@ def _validate(
             _dtype(acc, "num_accepted_tokens", _INDEX_TYPES)
             _shape(acc, "num_accepted_tokens", (N,), "[N]")
             _device(acc, "num_accepted_tokens", dev)
+        if has_initial_state is not None:
+            has = _tensor(has_initial_state, "has_initial_state")
+            _dtype(has, "has_initial_state", (torch.bool,))
+            _shape(has, "has_initial_state", (N,), "[N]")
+            _device(has, "has_initial_state", dev)
         if not initial_state.is_contiguous():
             raise ValueError("flashkda: the state pool initial_state must be contiguous (it is updated in place)")
         slots = initial_state.shape[0]
@@ -182,6 +188,8 @@ def _validate(
                 raise ValueError(f"flashkda: ssm_state_indices names slot {hi}, but the pool has {slots} slots")
     elif num_accepted_tokens is not None:
         raise ValueError("flashkda: num_accepted_tokens needs ssm_state_indices")
+    elif has_initial_state is not None:
+        raise ValueError("flashkda: has_initial_state needs ssm_state_indices")
     if initial_state is not None:
         _dtype(initial_state, "initial_state", _STATE_TYPES)
         _device(initial_state, "initial_state", dev)
@@ -443,7 +451,8 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
                   A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-                  state_v_first=state_v_first, ssm_state_indices=ssm_state_indices)
+                  state_v_first=state_v_first, ssm_state_indices=ssm_state_indices,
+                  has_initial_state=has_initial_state)
     if p.serving:
         if ssm_state_indices.dim() != 1:
             raise ValueError(f"flashkda: {fn} takes ssm_state_indices of shape [N] (one slot per sequence), got "
@@ -451,12 +460,6 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
         if ssm_state_indices.stride(-1) != 1:
             ssm_state_indices = ssm_state_indices.contiguous()
     if has_initial_state is not None:
-        if not p.serving:
-            raise ValueError("flashkda: has_initial_state needs ssm_state_indices")
-        has_initial_state = _tensor(has_initial_state, "has_initial_state")
-        _dtype(has_initial_state, "has_initial_state", (torch.bool,))
-        _shape(has_initial_state, "has_initial_state", (p.N,), "[N]")
-        _device(has_initial_state, "has_initial_state", q.device)
         has_initial_state = has_initial_state.contiguous()
     dest, slots, h = _chunk_state_dest(fn, p, q, k, cu_seqlens, cu_seqlens_cpu, state_v_first,
                                        return_intermediate_states, checkpoint_pool, checkpoint_slots)

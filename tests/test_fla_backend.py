@@ -176,6 +176,26 @@ def test_verifier_never_raises():
     assert not ok and "g must have shape" in reason
 
 
+def test_adapter_hands_back_a_call_flashkda_cannot_serve(monkeypatch, caplog):
+    """The verifier accepts fast-looking decode calls unchecked; one that the fast entry declines and
+    flashkda's rules reject (here: CPU tensors) runs FLA's own function with the same arguments."""
+    monkeypatch.setattr(kda_api, "_fast", lambda *args: "declined")
+    seen = []
+    monkeypatch.setattr(integ, "_fla_fused_recurrent_kda_fwd", lambda *a, **k: seen.append((a, k)) or "FLA's")
+    monkeypatch.setattr(integ, "_fallback_logged", False)
+    kw = {**_inputs(B=2, T=1, D=128), **GATE, "initial_state": _state(4, 4, 128),
+          "ssm_state_indices": torch.tensor([3, 1], dtype=torch.int32)}
+    with caplog.at_level("INFO", logger="flashkda"), torch.inference_mode():
+        assert integ.fused_recurrent_kda_fwd(**kw) == "FLA's"
+        assert integ.fused_recurrent_kda_fwd(**kw) == "FLA's"
+    assert len(seen) == 2
+    bound = inspect.signature(inspect.unwrap(fla_fused_recurrent_kda_fwd)).bind(*seen[0][0], **seen[0][1])
+    assert all(bound.arguments[name] is x for name, x in kw.items() if isinstance(x, torch.Tensor))
+    assert bound.arguments["out"] is None and bound.arguments["lower_bound"] == -5.0
+    infos = [r for r in caplog.records if r.levelname == "INFO"]
+    assert len(infos) == 1 and "cpu" in infos[0].getMessage()  # once, with flashkda's reason
+
+
 @pytest.fixture
 def cpu_dispatch(monkeypatch):
     """Make the verifiers accept CPU tensors; flashkda's public functions then run the reference on the CPU."""
@@ -342,6 +362,25 @@ def test_gpu_chunk_kda_reaches_flashkda(kernel_calls, monkeypatch):
     assert len(kernel_calls) == n + 1
     assert rel_err(fla_o, o) < 2e-2
     assert rel_err(fla_s, s) < 2e-2
+
+
+@cuda
+def test_gpu_fast_accepted_call_handed_back_to_fla(kernel_calls, monkeypatch):
+    """K = 128, V = 64 looks like a fast call to the verifier (it reads q's head dim only); the
+    adapter finds the kernels cannot serve it and FLA's Triton kernel computes the result."""
+    kw, pool = _serving_case("1d")
+    kw["v"] = kw["v"][..., :64].contiguous()
+    pool = pool[:, :, :64].contiguous()  # V-first: [slots, HV, V, K]
+    fla_pool = pool.clone()
+    n = len(kernel_calls)
+    with torch.inference_mode():
+        assert integ.fused_recurrent_kda_fwd_verifier(**kw, initial_state=pool) == (True, None)
+        o, s = fla_fused_recurrent_kda_fwd(**kw, initial_state=pool)
+        monkeypatch.setenv(integ.ENV_VAR, "0")
+        want_o, _ = fla_fused_recurrent_kda_fwd(**kw, initial_state=fla_pool)
+    assert len(kernel_calls) == n and s is pool
+    torch.testing.assert_close(o, want_o, rtol=0, atol=0)
+    torch.testing.assert_close(pool, fla_pool, rtol=0, atol=0)
 
 
 @cuda

@@ -58,13 +58,15 @@ def _batch():
 
 @contextlib.contextmanager
 def _spy(monkeypatch):
-    """Counts the layer's KDA calls (total) and those that ran flashkda's backend (served), per entry point."""
-    counts = {"total": [], "served": []}
+    """Counts the layer's KDA calls (total), those that reached flashkda's backend (served), per entry
+    point, and those the backend handed back to FLA's kernel (handed_back)."""
+    counts = {"total": [], "served": [], "handed_back": []}
     with monkeypatch.context() as m:
         chunk_backend, op_backend = integ.registered_backends()
         for module, names, key in ((fla_layer, ("chunk_kda", "fused_recurrent_kda"), "total"),
                                    (chunk_backend, ("chunk_kda",), "served"),
-                                   (op_backend, ("fused_recurrent_kda_fwd",), "served")):
+                                   (op_backend, ("fused_recurrent_kda_fwd",), "served"),
+                                   (integ, ("_fla_fallback",), "handed_back")):
             for name in names:
                 def spy(*args, _orig=getattr(module, name), _name=name, _key=key, **kwargs):
                     counts[_key].append(_name)
@@ -101,6 +103,7 @@ def test_model_prefill_and_generate_served_and_accurate(monkeypatch, gate):
         for name, served_name in (("chunk_kda", "chunk_kda"), ("fused_recurrent_kda", "fused_recurrent_kda_fwd")):
             total, served = counts["total"].count(name), counts["served"].count(served_name)
             assert total > 0 and served == total, (name, served, total)
+        assert not counts["handed_back"]
 
         monkeypatch.setenv(integ.ENV_VAR, "0")
         with _spy(monkeypatch) as counts:

@@ -48,11 +48,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from flashkda import _constants as _C
 from flashkda import _ext
 from flashkda import api as _api
 from flashkda._ext import log
 
-_fast_check = _ext.fused_recurrent_check if _ext.HAS_EXTENSION else None
 _is_compiling = torch.compiler.is_compiling
 
 __all__ = [
@@ -81,6 +81,8 @@ Verdict = Tuple[bool, Optional[str]]
 _lock = threading.Lock()
 _registered = False
 _backends: tuple = ()  # (chunk backend, operation backend) as registered in FLA
+_fla_fused_recurrent_kda_fwd = None  # FLA's own fused_recurrent_kda_fwd (Triton), set by register()
+_fallback_logged = False
 
 # Keyword arguments of FLA's chunk_kda (its **kwargs) that the adapter understands.
 _CHUNK_KWARGS = frozenset({"A_log", "dt_bias", "transpose_state_layout", "chunk_size"})
@@ -253,34 +255,55 @@ def fused_recurrent_kda_fwd_verifier(q, k, v, g, beta, A_log=None, dt_bias=None,
     """``(True, None)`` when flashkda serves FLA's ``fused_recurrent_kda_fwd`` with these arguments, else
     ``(False, reason)``; never raises.
 
-    A decode step pays for this on every call, so the calls that flashkda's fast entry takes as
-    given (:func:`_fast_args`) are judged by its checks in C++ (``_C.fused_recurrent_check``), after
-    the FLA rules they could break; every other call gets :func:`_fused_recurrent_kda_fwd_reason`.
+    A decode step pays for this on every call, so a call that flashkda's fast entry may take as it
+    is (:func:`_fast_args`: CUDA ``q`` with a kernel head dim, no autograd, and none of the FLA
+    rules such a call could break) is accepted unchecked: :func:`fused_recurrent_kda_fwd` checks it
+    once, in the fast entry's C++, and hands the rare one that flashkda cannot serve back to FLA's
+    Triton function. Every other call gets :func:`_fused_recurrent_kda_fwd_reason`.
     """
-    idx = ssm_state_indices  # 1-D: FLA and flashkda agree when there is one token in all (see the reason)
-    if (_fast_check is not None and not kwargs and (inplace_final_state or idx is None) and
-            not (use_gate_in_kernel and A_log is None and lower_bound is None) and not torch.is_grad_enabled()
-            and not (_ext.config.force_reference or _ext.config.debug) and not _is_compiling() and
-            (idx is None or idx.__class__ is not torch.Tensor or idx.dim() != 1 or
-             (q.__class__ is torch.Tensor and q.dim() == 4 and q.shape[1] == 1))):
-        try:
-            args = _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-                              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                              allow_neg_eigval, lower_bound, out)
-            if args is not None and _fast_check(*args) is None:
-                return True, None
-        except Exception:  # noqa: BLE001 - the general checks below word it
-            pass
+    if _fast_accepts(q, A_log, inplace_final_state, ssm_state_indices, use_gate_in_kernel, lower_bound, kwargs):
+        return True, None
     return _verdict(_fused_recurrent_kda_fwd_reason,
                     (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
                      state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)
 
 
+def _fast_accepts(q, A_log, inplace_final_state, ssm_state_indices, use_gate_in_kernel, lower_bound, kwargs) -> bool:
+    """Whether a ``fused_recurrent_kda_fwd`` call goes to the fast entry unchecked (see the verifier)."""
+    idx = ssm_state_indices
+    return (_api._fast is not None and not kwargs and q.__class__ is torch.Tensor and q.is_cuda
+            and q.shape[-1] in _C.KERNEL_HEAD_DIMS
+            # the calls _fast_args maps one to one: a slot pool in place, or a new final state
+            and bool(inplace_final_state) is (idx is not None)
+            and not (use_gate_in_kernel and A_log is None and lower_bound is None)
+            # 1-D slots: FLA and flashkda agree when there is one token in all (see the reason)
+            and (idx.__class__ is not torch.Tensor or idx.dim() != 1 or (q.dim() == 4 and q.shape[1] == 1))
+            and not torch.is_grad_enabled() and not (_ext.config.force_reference or _ext.config.debug)
+            and not _is_compiling())
+
+
 # ----------------------------------------------------------------------------------------------
 # Implementations with FLA's signatures and return values.
 # ----------------------------------------------------------------------------------------------
+
+
+def _fla_fallback(reason: str, *args, **kwargs):
+    """FLA's own ``fused_recurrent_kda_fwd`` for a call that the verifier accepted unchecked and
+    flashkda cannot serve after all; the first such call is logged at INFO (FLA's level for a
+    rejection), every one at DEBUG."""
+    global _fallback_logged
+    if not _fallback_logged:
+        _fallback_logged = True
+        log.info("flashkda: FLA's fused_recurrent_kda_fwd runs FLA's kernel: %s", reason)
+    else:
+        log.debug("flashkda: FLA's fused_recurrent_kda_fwd runs FLA's kernel: %s", reason)
+    fla_fn = _fla_fused_recurrent_kda_fwd
+    if fla_fn is None:  # the adapter called before register(): FLA's function as registered would be
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as dispatched
+        fla_fn = inspect.unwrap(dispatched)
+    return fla_fn(*args, **kwargs)
+
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -332,6 +355,17 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
         r = _api._fast(*args)
         if r.__class__ is tuple:
             return r  # serving: (out, the pool); otherwise (out, new state or None), as FLA returns
+        # The verifier accepted this call unchecked; the general rules decide it now.
+        reason = _verdict(_fused_recurrent_kda_fwd_reason,
+                          (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                           inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                           lower_bound, out), kwargs)[1]
+        if reason is not None:
+            return _fla_fallback(reason, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                                 inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices,
+                                 num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                 use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs)
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
     allow_neg_eigval = allow_neg_eigval and use_beta_sigmoid_in_kernel  # FLA ignores it without the sigmoid
@@ -424,7 +458,8 @@ def register() -> bool:
         chunk_backend, op_backend = _make_backends(fla_backends.BaseBackend)
         fla_backends.register(fla_chunk_kda)(chunk_backend)
         fla_backends.register("kda")(op_backend)
-        global _backends
+        global _backends, _fla_fused_recurrent_kda_fwd
+        _fla_fused_recurrent_kda_fwd = inspect.unwrap(fla_fused_recurrent_kda_fwd)
         _backends = tuple(registry._backends[BACKEND_TYPE] for registry in (
             fla_backends._function_registries[inspect.unwrap(fla_chunk_kda)],
             fla_backends._get_operation_registry("kda")))

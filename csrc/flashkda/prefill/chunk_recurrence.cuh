@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       // The state before chunk j.
       if (loads_slots) {
         if (i % SlotBlock::kChunks == 0) slots.next(p, n, j, j1, lane);
-        if (slots.has(i))
+        if (slots.has(i))  // has(): the slot lies in the pool (SlotBlock::next), so state_dst is not null
           store_state(state_dst(slots.slot(p, i)), p.chunk_states_dtype, p.state_v_first, s, v_glob, g8, t4);
       } else if (stores_states) {
         if (void* dst = state_dst(seq.first_slot + j))
