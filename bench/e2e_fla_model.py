@@ -11,7 +11,10 @@ cu_seqlens. Per gate and backend (FLASHKDA_FLA_BACKEND=0: FLA's Triton kernels; 
 * prefill_ms: CUDA-event time of one forward model(ids, attention_mask=mask, use_cache=True),
   median of --repeats after 2 warm-ups;
 * generate_ms: wall time between torch.cuda.synchronize() calls of a greedy model.generate of
-  --new-tokens tokens (min_new_tokens too), median of max(3, --repeats) after 1 warm-up;
+  --new-tokens tokens (min_new_tokens too), median of --generate-repeats (at least 3) after 1
+  warm-up. A generate step is bound by the host (HF's and the layers' Python, about 10 ms a token
+  here), so the timed runs alternate backend off / on and Python's garbage collector is paused
+  during them;
 * calls_total / calls_served: calls of fla.layers.kda.chunk_kda and fused_recurrent_kda (the
   layer's two entry points), and of chunk_kda / fused_recurrent_kda_fwd on flashkda's backend objects
   in FLA's registries (what FLA runs when it picks flashkda) less the calls those hand back to FLA's
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -53,7 +57,7 @@ IMPLS = (("fla", "0"), ("flashkda_backend", "1"))  # (impl, FLASHKDA_FLA_BACKEND
 SOURCE = ("fla.models.KDAForCausalLM, random weights, {L} layers, hidden 2048, 16 heads x 128, bf16; "
           "left-padded prompts {P}; prefill: CUDA events, median of {R} after 2 warm-ups; "
           "generate {N} greedy tokens: synchronized wall time, median of {G} after 1 warm-up; off/on "
-          "interleaved; calls counted over one extra forward + generate, not the timed runs")
+          "interleaved, gc paused; calls counted over one extra forward + generate, not the timed runs")
 
 
 def build_model(gate: str, layers: int) -> KDAForCausalLM:
@@ -121,11 +125,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--generate-repeats", type=int, default=15)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     common.RESULTS_PATH = args.json
-    gen_runs = max(3, args.repeats)
+    gen_runs = max(3, args.generate_repeats)
     source = SOURCE.format(L=args.layers, P="/".join(map(str, PROMPT_LENS)), R=args.repeats, N=args.new_tokens,
                            G=gen_runs)
     if not _ext.HAS_EXTENSION or not (integ.is_registered() or integ.register()):
@@ -166,22 +171,28 @@ def main():
                 generate(model, ids, mask)
             torch.cuda.synchronize()
             times = {impl: dict(prefill=[], generate=[]) for impl, _ in IMPLS}
-            for r in range(max(args.repeats, gen_runs)):
-                for impl, env in IMPLS:
-                    os.environ[integ.ENV_VAR] = env
-                    if r < args.repeats:
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        out = prefill(model, ids, mask)
-                        end.record()
-                        torch.cuda.synchronize()
-                        times[impl]["prefill"].append(start.elapsed_time(end))
-                        del out
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    generate(model, ids, mask)
-                    torch.cuda.synchronize()
-                    times[impl]["generate"].append((time.perf_counter() - t0) * 1e3)
+            gc.collect()
+            gc.disable()
+            try:
+                for r in range(max(args.repeats, gen_runs)):
+                    for impl, env in IMPLS:
+                        os.environ[integ.ENV_VAR] = env
+                        if r < args.repeats:
+                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            start.record()
+                            out = prefill(model, ids, mask)
+                            end.record()
+                            torch.cuda.synchronize()
+                            times[impl]["prefill"].append(start.elapsed_time(end))
+                            del out
+                        if r < gen_runs:
+                            torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            generate(model, ids, mask)
+                            torch.cuda.synchronize()
+                            times[impl]["generate"].append((time.perf_counter() - t0) * 1e3)
+            finally:
+                gc.enable()
         os.environ[integ.ENV_VAR] = "1"
         for impl, _ in IMPLS:
             p, g = statistics.median(times[impl]["prefill"]), statistics.median(times[impl]["generate"])
