@@ -5,7 +5,9 @@
 # Timing only: a variant that wins still has to pass the GPU tests after it is applied.
 #   bash bench/harness/ab_prepare.sh [variant.patch ...]
 set -uo pipefail
-flags="-std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
+# CuTe/CUTLASS headers: where setup.py finds them (CUTLASS_HOME, third_party/cutlass, the wheel).
+cutlass=$(python3 -c "import setup; print(setup.find_cutlass_include())") || exit 1
+flags="-std=c++17 -O3 -I$cutlass -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
 names=(base) dirs=(csrc)
 for patch in "$@"; do
   name=$(basename "$patch" .patch) dir=/tmp/ab/$name
