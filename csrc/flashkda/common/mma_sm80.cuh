@@ -1,6 +1,6 @@
 // Warp-level tensor-core and copy primitives of sm_80 (mma.sync m16n8k16 and m16n8k8 tf32, ldmatrix,
-// cp.async), which every later architecture also runs: CuTe's copy atoms where they compile to the
-// same machine code, called with the fragments and shared-memory addresses the kernels compute.
+// cp.async), which every later architecture also runs: CuTe's MMA and copy atoms, called with the
+// fragments and shared-memory addresses the kernels compute.
 // m16n8k16 layouts (g = lane / 4, t = lane % 4):
 //   A 16x16 row-major: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
 //   B 16x8  (k, n):    b0 (k = 2t..2t+1, n = g)           b1 (k = 2t+8.., n = g)
@@ -15,45 +15,34 @@
 
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm80.hpp>
 
 namespace flashkda {
 namespace sm80 {
 
 template <typename Elem>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
-
-// d += A B on one m16n8 tile, in place. Inline PTX with read-write accumulators: CuTe's atoms
-// (SM80_16x8x16_F32BF16BF16F32_TN and its fp16 / tf32 siblings) take the accumulators as separate
-// outputs and inputs, which changed chunk_prepare's sm_90a register allocation (the same
-// instructions; not measured yet), while every other kernel compiled to identical SASS.
+struct Mma16816;  // CuTe's m16n8k16 atom for the operand type
 template <>
-__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
+struct Mma16816<__nv_bfloat16> {
+  using Atom = cute::SM80_16x8x16_F32BF16BF16F32_TN;
+};
 template <>
-__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+struct Mma16816<__half> {
+  using Atom = cute::SM80_16x8x16_F32F16F16F32_TN;
+};
+
+// d += A B on one m16n8 tile, in place (the atom's C and D are the same registers).
+template <typename Elem>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  Mma16816<Elem>::Atom::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2], d[3]);
 }
 
 // tf32 operands (fp32 bit patterns with 10 mantissa bits), fp32 accumulation. Fragment layouts
 // (g = lane / 4, t = lane % 4): A 16x8 a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);
 // B 8x8 (k, n) b0 (t, g) b1 (t+4, g); C as above.
 __device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
+                                            d[2], d[3]);
 }
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
