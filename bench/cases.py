@@ -1,4 +1,4 @@
-"""The benchmark cases of the issues and their required times, in one place (torch-free, so that
+"""The benchmark cases and their required times, in one place (torch-free, so that
 bench/report.py runs anywhere). Times are median milliseconds on an H200 (shared/BENCH_SETUP.md)."""
 
 # Prefill rows: case -> (sequence lengths, heads); B = 1, D = 128.

@@ -1,6 +1,6 @@
 """Precision study for the chunked prefill kernels (CPU, PyTorch): the chunked algorithm with the
 rounding a tensor-core kernel applies — bf16 operands for every matrix product, fp32 accumulation —
-against the fp64 token-by-token recurrence, on the accuracy case of the chunked-prefill issue.
+against the fp64 token-by-token recurrence, on the prefill's accuracy case (tests/test_cuda_chunk.py).
 
 Choices compared: chunk size (16 / 32 / 64 tokens, gate references per 16-token sub-chunk), the
 state operand of the state products (bf16 like the other operands, or kept fp32), the precision of
@@ -116,7 +116,7 @@ def case(seed: int, gate: str):
 
 
 def prepared(gate: str):
-    """The issue case for one gate: its fp64 reference, the preprocessed inputs, and a function that
+    """The accuracy case for one gate: its fp64 reference, the preprocessed inputs, and a function that
     runs a chunked variant on each sequence and returns the output and final-state errors."""
     kw, cu = case(0, gate)
     d = {n: (x.double() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}

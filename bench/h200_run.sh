@@ -5,10 +5,10 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 FLA_FLASH_KDA=0
 OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
-# all | tests | bench | quick (TESTS, then bench/prefill_quick.py) | prefill (issue rows with the FLA
+# all | tests | bench | quick (TESTS, then bench/prefill_quick.py) | prefill (benchmark rows with the FLA
 # baselines, no sweep) | check (every GPU test with a time limit per step, the 64-bit test, the
 # sanitizers on the chunked path, decode kernel times by family with FLA, host overhead, and
-# bench/prefill_quick.py on the issue rows: one call of about five minutes after the build; with
+# bench/prefill_quick.py on the benchmark rows: one call of about five minutes after the build; with
 # DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
 # | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, PREPARE_CLOCKS=1 the
 # tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the chunk
@@ -18,7 +18,7 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
 # chunk_prepare, chunk_recurrence and the sm_90 decode kernel) | prefix (prefix caching: the
-# issue's cases of bench/test_prefill.py with the plain call and FLA's flagged call, then
+# required cases of bench/test_prefill.py with the plain call and FLA's flagged call, then
 # bench/prefix_variants.py).
 # FLA's Triton kernels compile (and autotune) on first use: minutes on a fresh machine (one test
 # took 205 s). A Triton cache from an earlier run, carried as .cache/triton.tar.xz.NN (git-ignored:

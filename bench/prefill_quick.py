@@ -1,4 +1,4 @@
-"""Quick look at the chunked prefill: accuracy of the issue's cases and time per benchmark row for
+"""Quick look at the chunked prefill: accuracy of the required cases and time per benchmark row for
 each value split, with the per-kernel split of the time (torch.profiler). Prints a table.
 
     PYTHONPATH=.:bench python bench/prefill_quick.py [--rows fixed_8k_H96,...] [--no-accuracy]

@@ -2,7 +2,7 @@
 beside the plain call, all in one process, interleaved, so that the ratios share one clock.
 
 Forms: every chunk's bf16 state (``return_intermediate_states``); a checkpoint every
-PREFIX_CHECKPOINT_TOKENS tokens into an fp32 pool (the issue's case), into a bf16 pool, with int64
+PREFIX_CHECKPOINT_TOKENS tokens into an fp32 pool (the required case), into a bf16 pool, with int64
 slots; a slot table naming no slot (the per-step cost of the pool path alone); a checkpoint at every
 chunk into an fp32 pool (the cost of the stores). Inputs and flags are bench/test_prefill.py's.
 

@@ -1,6 +1,6 @@
 """Turn benchmark records (bench/results/*.json) into markdown: a generic table (one row per case,
 one column per implementation, median ms, the HBM floor, flashkda as a fraction of the floor), the
-issue tables of prefill and decode with their required times, and a PNG of time against T.
+tables of the required prefill and decode cases with their bounds, and a PNG of time against T.
 
     python bench/report.py RESULTS.json [--markdown table.md] [--plot prefill_vs_T.png]
         [--update BENCHMARK_H200.md --command "the command that produced RESULTS.json"]
@@ -104,7 +104,7 @@ def _also_required(by, case) -> str:
 
 
 def prefill_table(records) -> str:
-    """The prefill rows of the issue: every implementation's median, the floor, the bounds."""
+    """The required prefill rows: every implementation's median, the floor, the bounds."""
     by = {(r["case"], r["impl"]): r for r in records}
     head = ["case"] + [f"{name} ms" for _, name in PREFILL_COLUMNS] + [
         "floor ms", "flashkda / floor", f"also required (softplus ≤ {PREFILL_SOFTPLUS_MAX_RATIO}×)", "required", "met"]
@@ -120,7 +120,7 @@ def prefill_table(records) -> str:
 
 
 def decode_table(records) -> str:
-    """The decode rows of the issue (eager CUDA-event medians) with host overhead and the bounds."""
+    """The required decode rows (eager CUDA-event medians) with host overhead and the bounds."""
     by = {(r["case"], r["impl"]): r for r in records}
     head = ["case"] + [f"{name} ms" for _, name in DECODE_COLUMNS] + ["floor ms", "flashkda / floor", "host µs",
                                                                     "required", "met"]

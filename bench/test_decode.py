@@ -1,4 +1,4 @@
-"""Decode microbenchmarks (issue: serving-grade decode). One token per sequence, H = 32, K = V = 128,
+"""Decode microbenchmarks (serving-grade decode). One token per sequence, H = 32, K = V = 128,
 bf16 q/k/v/g/beta, fp32 V-first pool with 8 spare slots and shuffled slot indices, lower-bound gate
 -5 with A_log/dt_bias, l2norm and beta sigmoid in the kernel; in place; median of CUDA-event times."""
 

@@ -1,4 +1,4 @@
-"""bench/report.py: the issue tables, the generated sections of BENCHMARK_H200.md, record merging."""
+"""bench/report.py: the tables of required cases, the generated sections of BENCHMARK_H200.md, record merging."""
 
 import json
 import sys

@@ -1,6 +1,6 @@
 """fp64 emulation of the chunked kernels' 16-bit roundings, for record-format what-ifs on the CPU.
 
-Runs the issue's accuracy case (varlen [700, 1348], H = 4, lower-bound gate -5 with A_log and
+Runs the prefill's accuracy case (varlen [700, 1348], H = 4, lower-bound gate -5 with A_log and
 dt_bias, l2norm and beta sigmoid in the kernel, bf16 inputs) through the chunk algorithm of
 chunk_prepare / chunk_recurrence in fp64, rounding to bf16 exactly where the kernels store or feed a
 16-bit operand: the pivoted row and column operands of the A / M products (with the off-diagonal
