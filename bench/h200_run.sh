@@ -10,9 +10,10 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # sanitizers on the chunked path, decode kernel times by family with FLA, host overhead, and
 # bench/prefill_quick.py on the benchmark rows: one call of about five minutes after the build; with
 # DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
-# | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, PREPARE_CLOCKS=1 the
-# tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the chunk
-# tests, the sanitizers and prefill_quick)
+# | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, or with AB_LIBRARY=1
+# bench/harness/ab_library.sh on whole-library variants (DECODE=1: decode too), PREPARE_CLOCKS=1
+# the tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the
+# chunk tests, the sanitizers and prefill_quick)
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
@@ -80,7 +81,11 @@ if [[ $what == check ]]; then
   [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh
 fi
 if [[ $what == ab ]]; then  # chunk_prepare variants: PATCHES (carried, e.g. in .cache) timed against the tree
-  bash bench/harness/ab_prepare.sh ${PATCHES:-} 2>&1 | tee "$OUT/ab.txt"
+  if [[ ${AB_LIBRARY:-0} == 1 ]]; then
+    bash bench/harness/ab_library.sh ${PATCHES:-} 2>&1 | tee "$OUT/ab.txt"
+  else
+    bash bench/harness/ab_prepare.sh ${PATCHES:-} 2>&1 | tee "$OUT/ab.txt"
+  fi
   [[ ${PREPARE_CLOCKS:-0} == 1 ]] && timeout 200 bash bench/harness/run_prepare.sh 2>&1 | tee "$OUT/clocks.txt"
   # then one variant through the GPU tests: AB_APPLY=patch, or AB_APPLY=tree for the tree as it is
   if [[ -n ${AB_APPLY:-} ]] && { [[ $AB_APPLY == tree ]] || patch -s -p1 < "$AB_APPLY"; }; then

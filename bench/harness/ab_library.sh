@@ -6,8 +6,10 @@
 # both kernels (a record layout), where ab_prepare.sh sees only one side. Timing only: a variant
 # that wins still has to pass the GPU tests after it is applied.
 #   bash bench/harness/ab_library.sh [variant.patch ...]
-# ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be importable for the builds
-# (PYTHONPATH), as for any build of the extension.
+# DECODE=1 also times the decode kernels of each tree (bench/diagnose.py --no-fla: CUDA-graph kernel
+# time per call, fp32 pools at every N and a bf16 pool, default and sm_80 families) for a change
+# that reaches them. ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be
+# importable for the builds (PYTHONPATH), as for any build of the extension.
 set -uo pipefail
 rows=${ROWS:-varlen_1024x8_H96,fixed_8k_H96,fixed_32k_H8,fixed_8k_H64}
 root=$(pwd)
@@ -34,5 +36,9 @@ for round in 1 2; do
     echo "== ${names[$i]}, round $round"
     (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/prefill_quick.py --rows "$rows" \
        --splits 0 --no-accuracy 2>&1 | grep "lb/split0")
+    if [[ ${DECODE:-0} == 1 ]]; then
+      (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/diagnose.py --no-fla 2>&1 | grep -v -i warn \
+         | tail -n +2)
+    fi
   done
 done
