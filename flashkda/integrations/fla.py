@@ -48,7 +48,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from flashkda import _constants as _C
+from flashkda import _constants
 from flashkda import _ext
 from flashkda import api as _api
 from flashkda._ext import log
@@ -273,7 +273,7 @@ def _fast_accepts(q, A_log, inplace_final_state, ssm_state_indices, use_gate_in_
     """Whether a ``fused_recurrent_kda_fwd`` call goes to the fast entry unchecked (see the verifier)."""
     idx = ssm_state_indices
     return (_api._fast is not None and not kwargs and q.__class__ is torch.Tensor and q.is_cuda
-            and q.shape[-1] in _C.KERNEL_HEAD_DIMS
+            and q.shape[-1] in _constants.KERNEL_HEAD_DIMS
             # the calls _fast_args maps one to one: a slot pool in place, or a new final state
             and bool(inplace_final_state) is (idx is not None)
             and not (use_gate_in_kernel and A_log is None and lower_bound is None)
