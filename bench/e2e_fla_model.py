@@ -109,7 +109,7 @@ def count_calls():
 
     for name in ("chunk_kda", "fused_recurrent_kda"):
         patch(fla_layer, name, "calls_total")
-    chunk_backend, op_backend = integ.registered_backends()
+    chunk_backend, op_backend, _ = integ.registered_backends()
     for backend, name in ((chunk_backend, "chunk_kda"), (op_backend, "fused_recurrent_kda_fwd")):
         patch(backend, name, "calls_served")
         patch(backend, name + "_verifier", "reasons")

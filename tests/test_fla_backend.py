@@ -37,7 +37,8 @@ def _env(monkeypatch):
 def _registries():
     chunk = fla_backends._function_registries[inspect.unwrap(fla_kda.chunk_kda)]
     op = fla_backends._get_operation_registry("kda")
-    return chunk, op
+    gdn = fla_backends._get_operation_registry("gated_delta_rule")
+    return chunk, op, gdn
 
 
 def _inputs(*, B=2, T=3, H=2, HV=4, D=128, lens=None, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -78,12 +79,13 @@ def _counting(monkeypatch, module, name, calls=None):
 
 
 def test_register_is_idempotent_and_first():
-    chunk, op = _registries()
-    before = chunk._backends[integ.BACKEND_TYPE], op._backends[integ.BACKEND_TYPE]
+    registries = _registries()
+    before = tuple(reg._backends[integ.BACKEND_TYPE] for reg in registries)
     assert integ.register() is True and integ.is_registered()
-    assert (chunk._backends[integ.BACKEND_TYPE], op._backends[integ.BACKEND_TYPE]) == before
+    assert tuple(reg._backends[integ.BACKEND_TYPE] for reg in registries) == before == integ.registered_backends()
     assert integ.BACKEND_TYPE != "flash_kda"
-    for reg in (chunk, op):
+    chunk = registries[0]
+    for reg in registries:
         ordered = reg._get_sorted_backends()
         assert ordered[0].backend_type == integ.BACKEND_TYPE
         assert [b.backend_type for b in ordered].count(integ.BACKEND_TYPE) == 1
@@ -176,6 +178,31 @@ def test_verifier_never_raises():
     assert not ok and "g must have shape" in reason
 
 
+def _gdn(kw):
+    """KDA-style inputs of _inputs made GDN's: a scalar gate g [B, T, HV], dt_bias [HV]."""
+    HV = kw["v"].shape[2]
+    return dict(kw, g=kw["g"][..., 0].contiguous(), dt_bias=kw["dt_bias"][:HV].contiguous())
+
+
+GDN_LAYER = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                 state_v_first=True)  # what fla.layers.GatedDeltaNet passes in chunk mode
+
+
+@pytest.mark.parametrize("case, word", [
+    ("cpu", "cpu"),
+    ("unknown_kwarg", "lower_bound"),
+    ("chunk_size", "chunk_size"),
+    ("gate_without_A_log", "A_log"),
+    ("both_layout_names", "transpose_state_layout"),
+])
+def test_gdn_verifier_rules(case, word):
+    kw = {**_gdn(_inputs(D=128)), **GDN_LAYER}
+    extra = {"cpu": {}, "unknown_kwarg": {"lower_bound": -5.0}, "chunk_size": {"chunk_size": 8},
+             "gate_without_A_log": {"A_log": None}, "both_layout_names": {"transpose_state_layout": True}}[case]
+    ok, reason = integ.chunk_gated_delta_rule_verifier(**{**kw, **extra})
+    assert not ok and word in reason, reason
+
+
 def test_adapter_hands_back_a_call_flashkda_cannot_serve(monkeypatch, caplog):
     """The verifier accepts fast-looking decode calls unchecked; one that the fast entry declines and
     flashkda's rules reject (here: CPU tensors) runs FLA's own function with the same arguments."""
@@ -202,7 +229,8 @@ def cpu_dispatch(monkeypatch):
     monkeypatch.setattr(integ, "_kernel_unsupported", lambda *args: None)
     monkeypatch.setattr(_ext, "HAS_EXTENSION", True)  # the backend's is_available()
     return {"chunk_kda": _counting(monkeypatch, kda_api, "chunk_kda"),
-            "fused_recurrent_kda": _counting(monkeypatch, kda_api, "fused_recurrent_kda")}
+            "fused_recurrent_kda": _counting(monkeypatch, kda_api, "fused_recurrent_kda"),
+            "chunk_gated_delta_rule": _counting(monkeypatch, kda_api, "chunk_gated_delta_rule")}
 
 
 def test_cpu_inplace_pool_without_indices(cpu_dispatch):
@@ -270,6 +298,30 @@ def test_cpu_chunk_kda(cpu_dispatch, layout_arg):
     assert any(issubclass(w.category, DeprecationWarning) for w in caught) == (layout_arg != "state_v_first")
     torch.testing.assert_close(o, want_o)
     torch.testing.assert_close(s, want_s)
+
+
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
+def test_cpu_chunk_gated_delta_rule(cpu_dispatch, allow_neg_eigval):
+    """FLA's chunk_gated_delta_rule through its registry, as FLA's GatedDeltaNet layer calls it: bf16
+    gate parameters, varlen, V-first state."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gdn
+
+    D, HV = 16, 4
+    kw = _gdn(_inputs(lens=[5, 0, 9], D=D, dtype=torch.float32))
+    kw.update(A_log=kw["A_log"].bfloat16(), dt_bias=kw["dt_bias"].bfloat16())
+    h0 = _state(3, HV, D)
+    opts = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+                allow_neg_eigval=allow_neg_eigval, initial_state=h0, output_final_state=True)
+    want_o, want_s = flashkda.chunk_gated_delta_rule(**kw, **opts, use_gate_in_kernel=True)
+    o, s = fla_chunk_gdn(**kw, **opts, use_gate_in_kernel=True)
+    assert cpu_dispatch["chunk_gated_delta_rule"] == ["chunk_gated_delta_rule"]
+    torch.testing.assert_close(o, want_o, rtol=0, atol=0)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    # without use_gate_in_kernel FLA takes g as the log decay and ignores A_log / dt_bias
+    g = -torch.nn.functional.softplus(kw["g"])
+    want_o, _ = flashkda.chunk_gated_delta_rule(**dict(kw, g=g, A_log=None, dt_bias=None), **opts)
+    o, _ = fla_chunk_gdn(**dict(kw, g=g), **opts)
+    torch.testing.assert_close(o, want_o, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -381,6 +433,25 @@ def test_gpu_fast_accepted_call_handed_back_to_fla(kernel_calls, monkeypatch):
     assert len(kernel_calls) == n and s is pool
     torch.testing.assert_close(o, want_o, rtol=0, atol=0)
     torch.testing.assert_close(pool, fla_pool, rtol=0, atol=0)
+
+
+@cuda
+def test_gpu_chunk_gated_delta_rule_reaches_flashkda(kernel_calls):
+    """FLA's chunk_gated_delta_rule as FLA's GatedDeltaNet layer calls it runs flashkda's chunked
+    kernels, with the result of the direct call, bit for bit."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gdn
+
+    kw = _gdn(_inputs(lens=[37, 1, 70, 0, 130], H=2, HV=4, D=128, device="cuda"))
+    kw.update(A_log=kw["A_log"].bfloat16(), dt_bias=kw["dt_bias"].bfloat16(), cu_seqlens=kw["cu_seqlens"].long())
+    h0 = _state(5, 4, 128, device="cuda")
+    opts = dict(GDN_LAYER, initial_state=h0, output_final_state=True)
+    want_o, want_s = flashkda.chunk_gated_delta_rule(**kw, **opts)
+    n = len(kernel_calls)
+    with torch.inference_mode():
+        o, s = fla_chunk_gdn(**kw, **opts)
+    assert len(kernel_calls) == n + 1
+    torch.testing.assert_close(o, want_o, rtol=0, atol=0)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
 
 
 @cuda

@@ -62,7 +62,7 @@ def _spy(monkeypatch):
     point, and those the backend handed back to FLA's kernel (handed_back)."""
     counts = {"total": [], "served": [], "handed_back": []}
     with monkeypatch.context() as m:
-        chunk_backend, op_backend = integ.registered_backends()
+        chunk_backend, op_backend, _ = integ.registered_backends()
         for module, names, key in ((fla_layer, ("chunk_kda", "fused_recurrent_kda"), "total"),
                                    (chunk_backend, ("chunk_kda",), "served"),
                                    (op_backend, ("fused_recurrent_kda_fwd",), "served"),

@@ -1,21 +1,26 @@
-"""flashkda as a backend of FLA (``fla-core``, flash-linear-attention) for KDA.
+"""flashkda as a backend of FLA (``fla-core``, flash-linear-attention) for KDA and GDN.
 
 FLA 0.6 routes some of its entry points through a backend registry (``fla.backends``): at call
 time every registered backend, in priority order, is asked through its *verifier* whether it can
 serve the call, and the first one that accepts runs it; the Triton implementation runs when none
 does. :func:`register` adds a backend named ``"flashkda"`` for
 
-* ``fla.ops.kda.chunk_kda`` (a per-function registry), and
+* ``fla.ops.kda.chunk_kda`` (a per-function registry),
 * ``fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd`` (the ``'kda'`` operation registry); it is
-  what FLA's serving decode calls, and what the public ``fla.ops.kda.fused_recurrent_kda`` calls.
+  what FLA's serving decode calls, and what the public ``fla.ops.kda.fused_recurrent_kda`` calls,
+* ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` (the ``'gated_delta_rule'`` operation
+  registry; FLA 0.6 dispatches no GDN decode function, so GDN decode stays FLA's).
 
 Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, including FLA's own
-``flash_kda`` adapter. The verifiers accept exactly the calls that flashkda's CUDA kernels serve with
-FLA's semantics; everything else (CPU tensors, autograd, head dims other than 64/128, float64,
-context parallelism, ...) is rejected with a reason, logged once by FLA at INFO level, and runs
-FLA's Triton code as before. Results of accepted calls are those of :func:`flashkda.chunk_kda` /
-:func:`flashkda.fused_recurrent_kda`, returned in FLA's format (see :func:`chunk_kda` and
-:func:`fused_recurrent_kda_fwd` in this module).
+``flash_kda`` and ``flash_qla`` adapters. The verifiers accept exactly the calls that flashkda's CUDA
+kernels serve with FLA's semantics; everything else (CPU tensors, autograd, head dims other than
+64/128, float64, context parallelism, ...) is rejected with a reason, logged once by FLA at INFO
+level, and runs FLA's Triton code as before (a decode call that looks servable is accepted
+unchecked and handed back to FLA's function if the kernels cannot take it: see
+:func:`fused_recurrent_kda_fwd_verifier`). Results of accepted calls are those of
+:func:`flashkda.chunk_kda` / :func:`flashkda.fused_recurrent_kda` /
+:func:`flashkda.chunk_gated_delta_rule`, returned in FLA's format (see the functions of the same
+names in this module).
 
 Usage::
 
@@ -65,8 +70,10 @@ __all__ = [
     "maybe_register_on_import",
     "chunk_kda_verifier",
     "fused_recurrent_kda_fwd_verifier",
+    "chunk_gated_delta_rule_verifier",
     "chunk_kda",
     "fused_recurrent_kda_fwd",
+    "chunk_gated_delta_rule",
 ]
 
 #: ``backend_type`` in FLA's registries (FLA's own adapter of the ``flash_kda`` package is ``"flash_kda"``).
@@ -84,8 +91,10 @@ _backends: tuple = ()  # (chunk backend, operation backend) as registered in FLA
 _fla_fused_recurrent_kda_fwd = None  # FLA's own fused_recurrent_kda_fwd (Triton), set by register()
 _fallback_logged = False
 
-# Keyword arguments of FLA's chunk_kda (its **kwargs) that the adapter understands.
+# Keyword arguments of FLA's chunk_kda / chunk_gated_delta_rule (their **kwargs) that the adapters
+# understand.
 _CHUNK_KWARGS = frozenset({"A_log", "dt_bias", "transpose_state_layout", "chunk_size"})
+_GDN_CHUNK_KWARGS = frozenset({"use_gate_in_kernel", "A_log", "dt_bias", "transpose_state_layout", "chunk_size"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,14 +113,36 @@ def _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias) -> Optiona
     return _api._kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
 
 
-def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, **validate) -> Optional[str]:
+def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, scalar_gate=False,
+                   **validate) -> Optional[str]:
     """flashkda's own validation, then whether its kernels (not the reference) would run."""
     try:
-        p = _api._validate(fn, q, k, v, g, beta, scalar_gate=False, initial_state=initial_state, A_log=A_log,
+        p = _api._validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, initial_state=initial_state, A_log=A_log,
                            dt_bias=dt_bias, **validate)
     except Exception as e:  # noqa: BLE001 - any invalid input is a rejection, FLA then reports it
         return str(e)
     return _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
+
+
+def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes,
+                          state_v_first) -> Tuple[Optional[str], bool]:
+    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: autograd, context
+    parallelism, their ``**kwargs``, ``chunk_size`` and the deprecated layout name. Returns the
+    reason (None: none of them rejects the call) and the state layout."""
+    if _needs_grad(*tensors):
+        return "an input requires grad with autograd enabled (flashkda is forward-only)", state_v_first
+    if cp_context is not None:
+        return "context parallelism (cp_context) is not supported", state_v_first
+    unknown = sorted(set(kwargs) - known_kwargs)
+    if unknown:
+        return f"keyword arguments {unknown} are not supported", state_v_first
+    if kwargs.get("chunk_size", 64) not in chunk_sizes:
+        return f"chunk_size={kwargs['chunk_size']!r} (FLA raises its error)", state_v_first
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            return "both state_v_first and the deprecated transpose_state_layout are given", state_v_first
+        state_v_first = bool(kwargs["transpose_state_layout"])
+    return None, state_v_first
 
 
 def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -122,19 +153,10 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
     if not isinstance(q, torch.Tensor):
         return f"q must be a torch.Tensor, got {type(q).__name__}"
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
-    if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        return "an input requires grad with autograd enabled (flashkda is forward-only)"
-    if cp_context is not None:
-        return "context parallelism (cp_context) is not supported"
-    unknown = sorted(set(kwargs) - _CHUNK_KWARGS)
-    if unknown:
-        return f"keyword arguments {unknown} are not supported"
-    if kwargs.get("chunk_size", 64) not in _api._KDA_CHUNK_SIZES:
-        return f"chunk_size={kwargs['chunk_size']!r} (FLA raises its error)"
-    if "transpose_state_layout" in kwargs:
-        if state_v_first:
-            return "both state_v_first and the deprecated transpose_state_layout are given"
-        state_v_first = bool(kwargs["transpose_state_layout"])
+    reason, state_v_first = _chunk_options_reason((q, k, v, g, beta, initial_state, A_log, dt_bias), cp_context,
+                                                  kwargs, _CHUNK_KWARGS, _api._KDA_CHUNK_SIZES, state_v_first)
+    if reason is not None:
+        return reason
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             return "use_gate_in_kernel=True needs A_log when lower_bound is not set"
@@ -150,6 +172,27 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
                           use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound,
                           use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                           allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first)
+
+
+def _chunk_gated_delta_rule_reason(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                   use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                   allow_neg_eigval=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                                   chunk_indices=None, cp_context=None, **kwargs) -> Optional[str]:
+    if not isinstance(q, torch.Tensor):
+        return f"q must be a torch.Tensor, got {type(q).__name__}"
+    use_gate_in_kernel = bool(kwargs.get("use_gate_in_kernel", False))
+    A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
+    reason, state_v_first = _chunk_options_reason((q, k, v, g, beta, initial_state, A_log, dt_bias), cp_context,
+                                                  kwargs, _GDN_CHUNK_KWARGS, _api._GDN_CHUNK_SIZES, state_v_first)
+    if reason is not None:
+        return reason
+    if use_gate_in_kernel and A_log is None:
+        return "use_gate_in_kernel=True needs A_log (FLA asserts it)"
+    return _kernel_reason("chunk_gated_delta_rule", q, k, v, g, beta, initial_state=initial_state, A_log=A_log,
+                          dt_bias=dt_bias, scale=scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                          use_gate_in_kernel=use_gate_in_kernel, lower_bound=None,
+                          use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                          allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first, scalar_gate=True)
 
 
 def _num_seqs(q: torch.Tensor, cu_seqlens) -> int:
@@ -246,6 +289,12 @@ def chunk_kda_verifier(*args, **kwargs) -> Verdict:
     return _verdict(_chunk_kda_reason, args, kwargs)
 
 
+def chunk_gated_delta_rule_verifier(*args, **kwargs) -> Verdict:
+    """``(True, None)`` when flashkda serves ``fla.ops.gated_delta_rule.chunk_gated_delta_rule(*args,
+    **kwargs)``, else ``(False, reason)``."""
+    return _verdict(_chunk_gated_delta_rule_reason, args, kwargs)
+
+
 def fused_recurrent_kda_fwd_verifier(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
                                      output_final_state=False, inplace_final_state=True, state_v_first=False,
                                      cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
@@ -332,6 +381,31 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
         return_intermediate_states=return_intermediate_states)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, **kwargs):
+    """``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` computed by
+    :func:`flashkda.chunk_gated_delta_rule`; returns ``(o, final_state)``.
+
+    Meant for calls that :func:`chunk_gated_delta_rule_verifier` accepts; ``chunk_indices`` and
+    ``chunk_size`` do not change a forward result. With ``use_gate_in_kernel`` (a keyword of FLA's
+    ``**kwargs``, as ``A_log`` and ``dt_bias``) the gate is ``-exp(A_log) * softplus(g + dt_bias)``.
+    """
+    if "transpose_state_layout" in kwargs:
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=4)
+        state_v_first = bool(kwargs["transpose_state_layout"])
+    use_gate_in_kernel = bool(kwargs.get("use_gate_in_kernel", False))
+    A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
+    return _api.chunk_gated_delta_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
+        dt_bias=dt_bias, chunk_size=kwargs.get("chunk_size", 64))
 
 
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
@@ -427,7 +501,13 @@ def _make_backends(BaseBackend):
         fused_recurrent_kda_fwd_verifier = staticmethod(fused_recurrent_kda_fwd_verifier)
         fused_recurrent_kda_fwd = staticmethod(fused_recurrent_kda_fwd)
 
-    return FlashKDAChunkBackend, FlashKDAOpBackend
+    class FlashKDAGatedDeltaRuleBackend(_FlashKDABackend):
+        """flashkda for the ``'gated_delta_rule'`` operation registry (only ``chunk_gated_delta_rule``)."""
+
+        chunk_gated_delta_rule_verifier = staticmethod(chunk_gated_delta_rule_verifier)
+        chunk_gated_delta_rule = staticmethod(chunk_gated_delta_rule)
+
+    return FlashKDAChunkBackend, FlashKDAOpBackend, FlashKDAGatedDeltaRuleBackend
 
 
 def register() -> bool:
@@ -435,7 +515,9 @@ def register() -> bool:
 
     Idempotent: a second call changes nothing. Imports ``fla.ops.kda`` (raises ImportError when FLA,
     or what it needs, is missing). Returns False, registering nothing, when FLA's dispatch is
-    disabled (``FLA_DISABLE_BACKEND_DISPATCH=1``) or FLA's signatures differ from the ones mirrored here.
+    disabled (``FLA_DISABLE_BACKEND_DISPATCH=1``) or FLA's KDA signatures differ from the ones
+    mirrored here. The GDN backend (``chunk_gated_delta_rule``) is registered beside them when FLA's
+    signature of that function is the mirrored one too, else left out (logged at debug level).
     """
     global _registered
     with _lock:
@@ -448,25 +530,43 @@ def register() -> bool:
         if getattr(fla_backends, "_DISPATCH_DISABLED", False):
             log.debug("flashkda: FLA_DISABLE_BACKEND_DISPATCH=1; the FLA backend is not registered")
             return False
-        for theirs, ours in ((fla_chunk_kda, (_chunk_kda_reason, chunk_kda)),
-                             (fla_fused_recurrent_kda_fwd, (_fused_recurrent_kda_fwd_reason, fused_recurrent_kda_fwd,
-                                                            fused_recurrent_kda_fwd_verifier))):
-            if any(_signature(theirs) != _signature(fn) for fn in ours):
-                log.debug("flashkda: FLA's %s has signature %s, not the one flashkda mirrors; the FLA backend "
-                          "is not registered", theirs.__name__, inspect.signature(theirs))
-                return False
-        chunk_backend, op_backend = _make_backends(fla_backends.BaseBackend)
+        kda_pairs = ((fla_chunk_kda, (_chunk_kda_reason, chunk_kda)),
+                     (fla_fused_recurrent_kda_fwd, (_fused_recurrent_kda_fwd_reason, fused_recurrent_kda_fwd,
+                                                    fused_recurrent_kda_fwd_verifier)))
+        if not _signatures_match(kda_pairs):
+            return False
+        chunk_backend, op_backend, gdn_backend = _make_backends(fla_backends.BaseBackend)
         fla_backends.register(fla_chunk_kda)(chunk_backend)
         fla_backends.register("kda")(op_backend)
         global _backends, _fla_fused_recurrent_kda_fwd
         _fla_fused_recurrent_kda_fwd = inspect.unwrap(fla_fused_recurrent_kda_fwd)
-        _backends = tuple(registry._backends[BACKEND_TYPE] for registry in (
-            fla_backends._function_registries[inspect.unwrap(fla_chunk_kda)],
-            fla_backends._get_operation_registry("kda")))
+        gdn_registered = False
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gdn
+        except ImportError as e:
+            log.debug("flashkda: FLA's chunk_gated_delta_rule not importable (%s); no GDN backend", e)
+        else:
+            if _signatures_match(((fla_chunk_gdn, (_chunk_gated_delta_rule_reason, chunk_gated_delta_rule)),)):
+                fla_backends.register("gated_delta_rule")(gdn_backend)
+                gdn_registered = True
+        _backends = (fla_backends._function_registries[inspect.unwrap(fla_chunk_kda)]._backends[BACKEND_TYPE],
+                     fla_backends._get_operation_registry("kda")._backends[BACKEND_TYPE],
+                     fla_backends._get_operation_registry("gated_delta_rule")._backends[BACKEND_TYPE]
+                     if gdn_registered else None)
         _registered = True
-        log.debug("flashkda: registered as FLA backend %r (priority %d) for chunk_kda and fused_recurrent_kda_fwd",
-                  BACKEND_TYPE, PRIORITY)
+        log.debug("flashkda: registered as FLA backend %r (priority %d) for chunk_kda, fused_recurrent_kda_fwd%s",
+                  BACKEND_TYPE, PRIORITY, " and chunk_gated_delta_rule" if gdn_registered else "")
         return True
+
+
+def _signatures_match(pairs) -> bool:
+    """Whether each FLA function of ``pairs`` has the signature of the flashkda functions beside it."""
+    for theirs, ours in pairs:
+        if any(_signature(theirs) != _signature(fn) for fn in ours):
+            log.debug("flashkda: FLA's %s has signature %s, not the one flashkda mirrors; its backend is not "
+                      "registered", theirs.__name__, inspect.signature(theirs))
+            return False
+    return True
 
 
 def is_registered() -> bool:
@@ -475,10 +575,11 @@ def is_registered() -> bool:
 
 
 def registered_backends() -> tuple:
-    """The backend objects in FLA's registries, ``(chunk_kda's, the 'kda' operations')``, or ``()``
-    before :func:`register`. FLA calls their methods by name (``chunk_kda``,
-    ``fused_recurrent_kda_fwd`` and their ``*_verifier``), so an attribute set on one of them (a
-    counting wrapper, say) is what FLA calls."""
+    """The backend objects in FLA's registries, ``(chunk_kda's, the 'kda' operations', the
+    'gated_delta_rule' operations')`` (the last None when FLA's GDN function was not mirrored), or
+    ``()`` before :func:`register`. FLA calls their methods by name (``chunk_kda``,
+    ``fused_recurrent_kda_fwd``, ``chunk_gated_delta_rule`` and their ``*_verifier``), so an
+    attribute set on one of them (a counting wrapper, say) is what FLA calls."""
     return _backends
 
 
