@@ -40,7 +40,7 @@ struct TriTile {
   // Byte offset of slice c: the blocks of the slices before it.
   __host__ __device__ __forceinline__ static constexpr int slice_offset(int c) { return c * (c + 1) / 2 * kBlockBytes; }
   // 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) of row `row`, record order; row / 16 <= chunk / 2.
-  __device__ __forceinline__ static uint32_t chunk_offset(int row, int chunk) {
+  __host__ __device__ __forceinline__ static constexpr uint32_t chunk_offset(int row, int chunk) {
     return uint32_t(slice_offset(chunk >> 1) + row * kRowBytes + (((chunk & 1) ^ ((row >> 2) & 1)) << 4));
   }
   __device__ __forceinline__ static uint32_t offset(int row, int col) {
@@ -54,6 +54,22 @@ struct TriTile {
 };
 static_assert(TriTile::slice_offset(kSubChunks) == TriTile::kBytes, "the slices fill the tile");
 static_assert(TriTile::kBlockBytes % 256 == 0, "every slice starts on a 256-byte swizzle atom");
+// Each slice is CuTe's 32-byte swizzle (Swizzle<1, 4, 3>) of a tile of 32-byte rows; checked here
+// against that layout (the offsets are written out by hand for the reason in mma_sm80.cuh).
+__host__ __device__ constexpr bool tri_tile_matches_swizzle() {
+  using namespace cute;
+  for (int c = 0; c < kSubChunks; ++c) {
+    const int rows = kSubChunk * (c + 1);
+    const auto slice = composition(Swizzle<1, 4, 3>{}, make_layout(make_shape(rows, Int<2>{}),
+                                                                    make_stride(Int<TriTile::kRowBytes>{}, Int<16>{})));
+    for (int row = 0; row < rows; ++row)
+      for (int half = 0; half < 2; ++half)
+        if (TriTile::chunk_offset(row, 2 * c + half) != uint32_t(TriTile::slice_offset(c) + slice(row, half)))
+          return false;
+  }
+  return true;
+}
+static_assert(tri_tile_matches_swizzle(), "TriTile's slices are CuTe's 32-byte swizzle");
 
 // Overlapped launches (kernel_launch.cuh): chunk_index, chunk_prepare and the first chunk_recurrence
 // pass are launched with programmatic stream serialization on sm_90 images and wait for the prior
