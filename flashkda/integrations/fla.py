@@ -87,7 +87,7 @@ Verdict = Tuple[bool, Optional[str]]
 
 _lock = threading.Lock()
 _registered = False
-_backends: tuple = ()  # (chunk backend, operation backend) as registered in FLA
+_backends: tuple = ()  # what registered_backends() returns
 _fla_fused_recurrent_kda_fwd = None  # FLA's own fused_recurrent_kda_fwd (Triton), set by register()
 _fallback_logged = False
 
@@ -321,13 +321,13 @@ def fused_recurrent_kda_fwd_verifier(q, k, v, g, beta, A_log=None, dt_bias=None,
 def _fast_accepts(q, A_log, inplace_final_state, ssm_state_indices, use_gate_in_kernel, lower_bound, kwargs) -> bool:
     """Whether a ``fused_recurrent_kda_fwd`` call goes to the fast entry unchecked (see the verifier)."""
     idx = ssm_state_indices
-    return (_api._fast is not None and not kwargs and q.__class__ is torch.Tensor and q.is_cuda
-            and q.shape[-1] in _constants.KERNEL_HEAD_DIMS
+    return (_api._fast is not None and not kwargs and q.__class__ is torch.Tensor and q.is_cuda and q.dim() == 4
+            and q.shape[3] in _constants.KERNEL_HEAD_DIMS
             # the calls _fast_args maps one to one: a slot pool in place, or a new final state
             and bool(inplace_final_state) is (idx is not None)
             and not (use_gate_in_kernel and A_log is None and lower_bound is None)
             # 1-D slots: FLA and flashkda agree when there is one token in all (see the reason)
-            and (idx.__class__ is not torch.Tensor or idx.dim() != 1 or (q.dim() == 4 and q.shape[1] == 1))
+            and (idx.__class__ is not torch.Tensor or idx.dim() != 1 or q.shape[1] == 1)
             and not torch.is_grad_enabled() and not (_ext.config.force_reference or _ext.config.debug)
             and not _is_compiling())
 
@@ -352,7 +352,6 @@ def _fla_fallback(reason: str, *args, **kwargs):
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as dispatched
         fla_fn = inspect.unwrap(dispatched)
     return fla_fn(*args, **kwargs)
-
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
