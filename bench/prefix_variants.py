@@ -24,17 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashkda  # noqa: E402
 from cases import PREFILL_ROWS, PREFIX_CHECKPOINT_TOKENS, PREFIX_ROW  # noqa: E402
 from common import cuda_median_ms, floor_ms, record  # noqa: E402
-from test_prefill import KDA_FLAGS, _floor, _inputs  # noqa: E402
-
-D = 128
-
-
-def checkpoints(chunks, H, every, dtype=torch.float32, none=False, index_dtype=torch.int32):
-    slots = torch.full((1, chunks), -1, dtype=index_dtype)
-    if not none:
-        slots[:, every::every] = torch.arange(1, (chunks - 1) // every + 1, dtype=index_dtype)
-    return dict(checkpoint_pool=torch.zeros(chunks // every + 1, H, D, D, device="cuda", dtype=dtype),
-                checkpoint_slots=slots.cuda())
+from test_prefill import KDA_FLAGS, _floor, _inputs, checkpoint_kwargs, prefix_state_bytes  # noqa: E402
 
 
 def main():
@@ -45,14 +35,15 @@ def main():
     lens, H = PREFILL_ROWS[PREFIX_ROW]
     kw = _inputs(lens, H)
     chunks, every = -(-sum(lens) // 64), PREFIX_CHECKPOINT_TOKENS // 64
+    N = len(lens)
     forms = {
         "plain": {},
         "intermediate_states": dict(return_intermediate_states=True),
-        "checkpoints": checkpoints(chunks, H, every),
-        "checkpoints_bf16_pool": checkpoints(chunks, H, every, torch.bfloat16),
-        "checkpoints_int64_slots": checkpoints(chunks, H, every, index_dtype=torch.int64),
-        "slot_table_no_slot": checkpoints(chunks, H, every, none=True),
-        "checkpoint_every_chunk": checkpoints(chunks, H, 1),
+        "checkpoints": checkpoint_kwargs(N, chunks, H, every),
+        "checkpoints_bf16_pool": checkpoint_kwargs(N, chunks, H, every, torch.bfloat16),
+        "checkpoints_int64_slots": checkpoint_kwargs(N, chunks, H, every, index_dtype=torch.int64),
+        "slot_table_no_slot": checkpoint_kwargs(N, chunks, H, every, none=True),
+        "checkpoint_every_chunk": checkpoint_kwargs(N, chunks, H, 1),
     }
     times = {name: [] for name in forms}
     with torch.inference_mode():
@@ -64,11 +55,10 @@ def main():
     for name, t in ms.items():
         print(f"  {name:26s} {t:8.4f}  {t / ms['plain']:.3f}x")
     if args.json:
-        h_bytes = {"intermediate_states": chunks * H * D * D * 2,
-                   "checkpoints": (chunks - 1) // every * H * D * D * 4}
-        recs = [record(f"{PREFIX_ROW}_{kind}", "flashkda", ms[kind], _floor(lens, H) + floor_ms(b),
+        recs = [record(f"{PREFIX_ROW}_{kind}", "flashkda", ms[kind],
+                       _floor(lens, H) + floor_ms(prefix_state_bytes(kind, chunks, H)),
                        plain_ms=round(ms["plain"], 5), source="bench/prefix_variants.py")
-                for kind, b in h_bytes.items()]
+                for kind in ("intermediate_states", "checkpoints")]
         with open(args.json, "w") as f:
             json.dump(recs, f, indent=1)
 

@@ -109,6 +109,22 @@ def test_prefill(benchmark, case, impl):
 PREFIX_IMPLS = ["flashkda", "fla_chunk_kda"]
 
 
+def checkpoint_kwargs(N, chunks, H, every, dtype=torch.float32, index_dtype=torch.int32, none=False):
+    """checkpoint_pool / checkpoint_slots for a checkpoint every `every` chunks of every sequence
+    (chunk j = every, 2 every, ... into slots 1, 2, ...; none=True: a slot table naming no slot)."""
+    slots = torch.full((N, chunks), -1, dtype=index_dtype)
+    if not none:
+        slots[:, every::every] = torch.arange(1, (chunks - 1) // every + 1, dtype=index_dtype)
+    return dict(checkpoint_pool=torch.zeros(chunks // every + 1, H, D, D, device="cuda", dtype=dtype),
+                checkpoint_slots=slots.cuda())
+
+
+def prefix_state_bytes(kind, chunks, H):
+    """Bytes the states at chunk starts add: every chunk's bf16 state, or the fp32 checkpoints."""
+    every = PREFIX_CHECKPOINT_TOKENS // 64
+    return chunks * H * D * D * 2 if kind == "intermediate_states" else (chunks - 1) // every * H * D * D * 4
+
+
 @pytest.mark.parametrize("impl", PREFIX_IMPLS)
 @pytest.mark.parametrize("kind", ["intermediate_states", "checkpoints"])
 def test_prefill_prefix_states(benchmark, kind, impl):
@@ -120,13 +136,8 @@ def test_prefill_prefix_states(benchmark, kind, impl):
         pytest.skip("fla not importable" if fla_kda is None else "FLA has no checkpoint pool")
     kw = _inputs(lens, H)
     chunks = -(-sum(lens) // 64)
-    extra = dict(return_intermediate_states=True)
-    if kind == "checkpoints":
-        every = PREFIX_CHECKPOINT_TOKENS // 64
-        slots = torch.full((len(lens), chunks), -1, dtype=torch.int32)
-        slots[:, every::every] = torch.arange(1, (chunks - 1) // every + 1, dtype=torch.int32)
-        extra = dict(checkpoint_pool=torch.zeros(chunks // every + 1, H, D, D, device="cuda"),
-                     checkpoint_slots=slots.cuda())
+    extra = dict(return_intermediate_states=True) if kind == "intermediate_states" else \
+        checkpoint_kwargs(len(lens), chunks, H, PREFIX_CHECKPOINT_TOKENS // 64)
     if impl == "flashkda":
         plain_fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
         fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS, **extra)  # noqa: E731
@@ -134,7 +145,7 @@ def test_prefill_prefix_states(benchmark, kind, impl):
         fla_kw = dict(kw, dt_bias=kw["dt_bias"].reshape(-1))
         plain_fn = lambda: fla_kda(**fla_kw, **KDA_FLAGS)  # noqa: E731
         fn = lambda: fla_kda(**fla_kw, **KDA_FLAGS, **extra)  # noqa: E731
-    h_bytes = chunks * H * D * D * 2 if kind == "intermediate_states" else (chunks - 1) // every * H * D * D * 4
+    h_bytes = prefix_state_bytes(kind, chunks, H)
     with torch.inference_mode():
         plain = cuda_median_ms(plain_fn, calls=_calls(lens, H))
         ms = cuda_median_ms(fn, calls=_calls(lens, H))

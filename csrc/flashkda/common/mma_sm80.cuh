@@ -215,7 +215,6 @@ __host__ __device__ constexpr auto panel_tile_layout() {
 static_assert(matches_swizzle<SwizzledTile<4>>(16, 4, swizzled_tile_layout<4>(16)), "64-byte rows");
 static_assert(matches_swizzle<SwizzledTile<8>>(16, 8, swizzled_tile_layout<8>(16)), "128-byte rows");
 static_assert(matches_swizzle<SwizzledTile<16>>(16, 16, swizzled_tile_layout<16>(16)), "256-byte rows");
-static_assert(matches_swizzle<PanelTile<64, 16>>(64, 16, panel_tile_layout<64, 16>()), "128-byte panels");
 
 }  // namespace sm80
 }  // namespace flashkda

@@ -17,6 +17,8 @@ namespace chunk {
 // k e^{Γ_C−Γ}, and chunk_prepare's operand tiles): 128-byte swizzled panels that ldmatrix and
 // wgmma descriptors read alike.
 using MatTile = sm80::PanelTile<kChunk, kHeadDim / 8>;
+static_assert(sm80::matches_swizzle<MatTile>(kChunk, kHeadDim / 8, sm80::panel_tile_layout<kChunk, kHeadDim / 8>()),
+              "MatTile is CuTe's 128-byte swizzle in panels");
 
 // Token order of the record and of chunk_recurrence's stages: sub-chunk blocks reversed (token t
 // at row record_row(t); rows within a block keep their order). The lower triangular matrices (M,
