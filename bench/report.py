@@ -162,13 +162,13 @@ def fla_table(records) -> str:
                      f"{ours['calls_served']}/{ours['calls_total']} | {ours.get('logits_rel_diff_vs_fla', '—')} | "
                      f"{met} |")
     lines += ["", "| decode call, host µs | flashkda direct | through FLA's registry | extra (≤ "
-              f"{FLA_DISPATCH_EXTRA_US:g}) | of which verifier | adapter + call | FLA's public wrapper | "
+              f"{FLA_DISPATCH_EXTRA_US:g}) | FLA's dispatcher | adapter + call | FLA's public wrapper | "
               "FLA's own kernel |", "|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["case"].startswith("fla_dispatch_"):
             wrapper = r.get("fla_public_wrapper_us")
             lines.append(f"| {r['case'][len('fla_dispatch_'):]} | {r['direct_us']:.2f} | {r['through_fla_us']:.2f} | "
-                         f"{r['extra_us']:.2f} | {r['verifier_us']:.2f} | {r['adapter_us']:.2f} | "
+                         f"{r['extra_us']:.2f} | {r['fla_dispatcher_us']:.2f} | {r['adapter_us']:.2f} | "
                          f"{'—' if wrapper is None else f'{wrapper:.2f}'} | {r['fla_alone_us']:.2f} |")
     return "\n".join(lines)
 

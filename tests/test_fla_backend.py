@@ -204,17 +204,18 @@ def test_gdn_verifier_rules(case, word):
 
 
 def test_adapter_hands_back_a_call_flashkda_cannot_serve(monkeypatch, caplog):
-    """The verifier accepts fast-looking decode calls unchecked; one that the fast entry declines and
-    flashkda's rules reject (here: CPU tensors) runs FLA's own function with the same arguments."""
+    """FLA asks no verifier for the decode entry; a call that the fast entry declines and flashkda's
+    rules reject (here: CPU tensors) runs FLA's own function with the same arguments."""
     monkeypatch.setattr(kda_api, "_fast", lambda *args: "declined")
     seen = []
     monkeypatch.setattr(integ, "_fla_fused_recurrent_kda_fwd", lambda *a, **k: seen.append((a, k)) or "FLA's")
     monkeypatch.setattr(integ, "_fallback_logged", False)
     kw = {**_inputs(B=2, T=1, D=128), **GATE, "initial_state": _state(4, 4, 128),
           "ssm_state_indices": torch.tensor([3, 1], dtype=torch.int32)}
+    monkeypatch.setattr(_ext, "HAS_EXTENSION", True)  # the backend's is_available()
     with caplog.at_level("INFO", logger="flashkda"), torch.inference_mode():
         assert integ.fused_recurrent_kda_fwd(**kw) == "FLA's"
-        assert integ.fused_recurrent_kda_fwd(**kw) == "FLA's"
+        assert fla_fused_recurrent_kda_fwd(**kw) == "FLA's"  # FLA's dispatcher -> the adapter -> FLA's function
     assert len(seen) == 2
     bound = inspect.signature(inspect.unwrap(fla_fused_recurrent_kda_fwd)).bind(*seen[0][0], **seen[0][1])
     assert all(bound.arguments[name] is x for name, x in kw.items() if isinstance(x, torch.Tensor))
@@ -417,16 +418,16 @@ def test_gpu_chunk_kda_reaches_flashkda(kernel_calls, monkeypatch):
 
 
 @cuda
-def test_gpu_fast_accepted_call_handed_back_to_fla(kernel_calls, monkeypatch):
-    """K = 128, V = 64 looks like a fast call to the verifier (it reads q's head dim only); the
-    adapter finds the kernels cannot serve it and FLA's Triton kernel computes the result."""
+def test_gpu_unservable_decode_call_handed_back_to_fla(kernel_calls, monkeypatch):
+    """K = 128, V = 64 reaches the adapter (FLA asks no verifier for the decode entry); the kernels
+    cannot serve it and FLA's Triton kernel computes the result."""
     kw, pool = _serving_case("1d")
     kw["v"] = kw["v"][..., :64].contiguous()
     pool = pool[:, :, :64].contiguous()  # V-first: [slots, HV, V, K]
     fla_pool = pool.clone()
     n = len(kernel_calls)
     with torch.inference_mode():
-        assert integ.fused_recurrent_kda_fwd_verifier(**kw, initial_state=pool) == (True, None)
+        assert not integ.fused_recurrent_kda_fwd_verifier(**kw, initial_state=pool)[0]
         o, s = fla_fused_recurrent_kda_fwd(**kw, initial_state=pool)
         monkeypatch.setenv(integ.ENV_VAR, "0")
         want_o, _ = fla_fused_recurrent_kda_fwd(**kw, initial_state=fla_pool)

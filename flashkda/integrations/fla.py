@@ -15,9 +15,10 @@ Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, includ
 ``flash_kda`` and ``flash_qla`` adapters. The verifiers accept exactly the calls that flashkda's CUDA
 kernels serve with FLA's semantics; everything else (CPU tensors, autograd, head dims other than
 64/128, float64, context parallelism, ...) is rejected with a reason, logged once by FLA at INFO
-level, and runs FLA's Triton code as before (a decode call that looks servable is accepted
-unchecked and handed back to FLA's function if the kernels cannot take it: see
-:func:`fused_recurrent_kda_fwd_verifier`). Results of accepted calls are those of
+level, and runs FLA's Triton code as before. The decode entry registers no verifier, to keep FLA's
+per-call cost low: its implementation sends the calls the kernels take straight to them and hands
+the others, with the same arguments, to FLA's own function, logging the first reason at INFO (the
+rules: :func:`fused_recurrent_kda_fwd_verifier`). Results of served calls are those of
 :func:`flashkda.chunk_kda` / :func:`flashkda.fused_recurrent_kda` /
 :func:`flashkda.chunk_gated_delta_rule`, returned in FLA's format (see the functions of the same
 names in this module).
@@ -201,22 +202,29 @@ def _num_seqs(q: torch.Tensor, cu_seqlens) -> int:
 
 def _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
                state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out):
+               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, kwargs):
     """The arguments of flashkda's fast entry (``flashkda.api._fast``) for FLA's
-    ``fused_recurrent_kda_fwd`` call, or None when the call needs the general translation.
+    ``fused_recurrent_kda_fwd`` call, or None when the call needs the general rules.
 
     The common serving calls map one to one: a pool with ``ssm_state_indices`` (in place), or a
-    new final state (``inplace_final_state=False``, FLA's public ``fused_recurrent_kda``). The
-    FLA rules that such a call may break are the verifier's (:func:`_fused_recurrent_kda_fwd_reason`).
+    new final state (``inplace_final_state=False``, FLA's public ``fused_recurrent_kda``). The fast
+    entry applies flashkda's own rules in C++; what is tested here are the FLA rules of
+    :func:`_fused_recurrent_kda_fwd_reason` that such a call may break, in a few attribute reads.
     """
-    if ssm_state_indices is None and inplace_final_state:
-        return None  # rows [0, N) in place: the general translation builds the slot indices
+    idx = ssm_state_indices
+    if (kwargs or q.__class__ is not torch.Tensor or q.dim() != 4
+            or bool(inplace_final_state) is (idx is None)  # rows [0, N) in place, or slots not in place
+            or (use_gate_in_kernel and A_log is None and lower_bound is None)
+            # 1-D slots: FLA and flashkda agree when there is one token in all (see the reason)
+            or (idx.__class__ is torch.Tensor and idx.dim() == 1 and q.shape[1] != 1)
+            or torch.is_grad_enabled()):
+        return None
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None  # FLA reads them only for the fused gate
-    return (q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
-            output_final_state and ssm_state_indices is None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-            use_beta_sigmoid_in_kernel, allow_neg_eigval and use_beta_sigmoid_in_kernel, lower_bound, state_v_first,
-            cu_seqlens, ssm_state_indices, num_accepted_tokens if ssm_state_indices is not None else None, out, False)
+    return (q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state and idx is None,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval and use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens, idx,
+            num_accepted_tokens if idx is not None else None, out, False)
 
 
 def _fused_recurrent_kda_fwd_reason(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
@@ -304,32 +312,15 @@ def fused_recurrent_kda_fwd_verifier(q, k, v, g, beta, A_log=None, dt_bias=None,
     """``(True, None)`` when flashkda serves FLA's ``fused_recurrent_kda_fwd`` with these arguments, else
     ``(False, reason)``; never raises.
 
-    A decode step pays for this on every call, so a call that flashkda's fast entry may take as it
-    is (:func:`_fast_args`: CUDA ``q`` with a kernel head dim, no autograd, and none of the FLA
-    rules such a call could break) is accepted unchecked: :func:`fused_recurrent_kda_fwd` checks it
-    once, in the fast entry's C++, and hands the rare one that flashkda cannot serve back to FLA's
-    Triton function. Every other call gets :func:`_fused_recurrent_kda_fwd_reason`.
+    Not registered as FLA's verifier: a decode step would pay for it on every call. The backend
+    registers no verifier for this entry, so FLA hands every call to :func:`fused_recurrent_kda_fwd`,
+    which sends the calls its fast entry takes straight to the kernels and applies these rules to
+    the others, running FLA's own function for those they reject.
     """
-    if _fast_accepts(q, A_log, inplace_final_state, ssm_state_indices, use_gate_in_kernel, lower_bound, kwargs):
-        return True, None
     return _verdict(_fused_recurrent_kda_fwd_reason,
                     (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
                      state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)
-
-
-def _fast_accepts(q, A_log, inplace_final_state, ssm_state_indices, use_gate_in_kernel, lower_bound, kwargs) -> bool:
-    """Whether a ``fused_recurrent_kda_fwd`` call goes to the fast entry unchecked (see the verifier)."""
-    idx = ssm_state_indices
-    return (_api._fast is not None and not kwargs and q.__class__ is torch.Tensor and q.is_cuda and q.dim() == 4
-            and q.shape[3] in _constants.KERNEL_HEAD_DIMS
-            # the calls _fast_args maps one to one: a slot pool in place, or a new final state
-            and bool(inplace_final_state) is (idx is not None)
-            and not (use_gate_in_kernel and A_log is None and lower_bound is None)
-            # 1-D slots: FLA and flashkda agree when there is one token in all (see the reason)
-            and (idx.__class__ is not torch.Tensor or idx.dim() != 1 or q.shape[1] == 1)
-            and not torch.is_grad_enabled() and not (_ext.config.force_reference or _ext.config.debug)
-            and not _is_compiling())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,8 +329,8 @@ def _fast_accepts(q, A_log, inplace_final_state, ssm_state_indices, use_gate_in_
 
 
 def _fla_fallback(reason: str, *args, **kwargs):
-    """FLA's own ``fused_recurrent_kda_fwd`` for a call that the verifier accepted unchecked and
-    flashkda cannot serve after all; the first such call is logged at INFO (FLA's level for a
+    """FLA's own ``fused_recurrent_kda_fwd`` for a call that FLA handed to flashkda (no verifier asked)
+    and flashkda's rules reject; the first such call is logged at INFO (FLA's level for a
     rejection), every one at DEBUG."""
     global _fallback_logged
     if not _fallback_logged:
@@ -418,27 +409,28 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     Returns ``(out, final_state)`` like FLA: with ``inplace_final_state=True`` (FLA's default)
     ``final_state`` is ``initial_state`` itself, updated in place (per slot of ``ssm_state_indices``,
     or rows ``[0, N)`` without indices); otherwise a new float32 state when ``output_final_state``,
-    else None. Meant for calls that :func:`fused_recurrent_kda_fwd_verifier` accepts.
+    else None. Takes every call of FLA's entry: one that :func:`fused_recurrent_kda_fwd_verifier`
+    rejects runs FLA's own function with the same arguments (logged once at INFO).
     """
-    args = _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
-                      state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-                      use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out)
-    if (args is not None and _api._fast is not None and not (_ext.config.force_reference or _ext.config.debug)
-            and not _is_compiling()):
-        r = _api._fast(*args)
-        if r.__class__ is tuple:
-            return r  # serving: (out, the pool); otherwise (out, new state or None), as FLA returns
-        # The verifier accepted this call unchecked; the general rules decide it now.
-        reason = _verdict(_fused_recurrent_kda_fwd_reason,
-                          (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-                           inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                           lower_bound, out), kwargs)[1]
-        if reason is not None:
-            return _fla_fallback(reason, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-                                 inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices,
-                                 num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                 use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs)
+    if _api._fast is not None and not (_ext.config.force_reference or _ext.config.debug) and not _is_compiling():
+        args = _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                          inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                          lower_bound, out, kwargs)
+        if args is not None:
+            r = _api._fast(*args)
+            if r.__class__ is tuple:
+                return r  # serving: (out, the pool); otherwise (out, new state or None), as FLA returns
+    # FLA asked no verifier (the backend registers none for this entry): the rules decide here.
+    reason = _verdict(_fused_recurrent_kda_fwd_reason,
+                      (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+                       state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)[1]
+    if reason is not None:
+        return _fla_fallback(reason, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                             inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                             lower_bound, out, **kwargs)
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
     allow_neg_eigval = allow_neg_eigval and use_beta_sigmoid_in_kernel  # FLA ignores it without the sigmoid
@@ -497,7 +489,9 @@ def _make_backends(BaseBackend):
     class FlashKDAOpBackend(_FlashKDABackend):
         """flashkda for the ``'kda'`` operation registry (only ``fused_recurrent_kda_fwd``)."""
 
-        fused_recurrent_kda_fwd_verifier = staticmethod(fused_recurrent_kda_fwd_verifier)
+        # No verifier: FLA then calls the implementation at once, and it decides (a decode step
+        # pays for FLA's dispatcher on every call; a verifier would add a second pass over the
+        # arguments).
         fused_recurrent_kda_fwd = staticmethod(fused_recurrent_kda_fwd)
 
     class FlashKDAGatedDeltaRuleBackend(_FlashKDABackend):
