@@ -83,25 +83,20 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   cute::SM75_U16x8_LDSM_T::copy(shared_ref(addr), r[0], r[1], r[2], r[3]);
 }
 
-// 16-byte global -> shared copy; with valid == false the destination is zero-filled. Inline PTX:
-// CuTe's atom (SM80_CP_ASYNC_CACHEGLOBAL_ZFILL) adds an L2::128B prefetch hint, a different
-// instruction whose effect on these kernels is still to be measured (DESIGN.md, inline PTX).
+// 16-byte global -> shared copy; with valid == false the destination is zero-filled (CuTe's atom
+// adds an L2::128B prefetch hint).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid = true) {
-  const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+      *static_cast<const cute::uint128_t*>(src), *static_cast<cute::uint128_t*>(__cvta_shared_to_generic(dst)), valid);
 }
 
 __device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
 
-// Waits until at most N committed groups of this thread are in flight. N = 0 stays inline PTX:
-// the libraries' form of it is cp.async.wait_all, which also commits an empty group (one more
-// instruction, and another schedule, in chunk_prepare and decode_stream_tc).
+// Waits until at most N committed groups of this thread are in flight (CuTe spells N = 0 as
+// cp.async.wait_all, which commits an empty group first).
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-  if constexpr (N == 0)
-    asm volatile("cp.async.wait_group 0;\n" ::);
-  else
-    cute::cp_async_wait<N>();
+  cute::cp_async_wait<N>();
 }
 
 // Transposes an 8 x 8 matrix of 16-bit elements held in the m8n8 fragment layout (lane l: row l / 4,
