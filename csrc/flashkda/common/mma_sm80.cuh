@@ -1,10 +1,7 @@
 // Warp-level tensor-core and copy primitives of sm_80 (mma.sync m16n8k16 and m16n8k8 tf32, ldmatrix,
 // cp.async), which every later architecture also runs: CuTe's MMA and copy atoms, called with the
-// fragments and shared-memory addresses the kernels compute.
-// m16n8k16 layouts (g = lane / 4, t = lane % 4):
-//   A 16x16 row-major: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
-//   B 16x8  (k, n):    b0 (k = 2t..2t+1, n = g)           b1 (k = 2t+8.., n = g)
-//   C 16x8:            c0 c1 (g, 2t..2t+1)                c2 c3 (g+8, 2t..2t+1)
+// fragments and shared-memory addresses the kernels compute. The fragment layouts the kernels index
+// (Frag16816, Frag1688Tf32, FragAcc) are checked against the atoms' CuTe layouts at compile time.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,6 +13,7 @@
 #include <cute/arch/copy_sm75.hpp>
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm80.hpp>
+#include <cute/atom/mma_traits_sm80.hpp>
 #include <cute/layout.hpp>
 #include <cute/swizzle.hpp>
 #include <cute/swizzle_layout.hpp>
@@ -40,13 +38,67 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
   Mma16816<Elem>::Atom::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1], d[2], d[3]);
 }
 
-// tf32 operands (fp32 bit patterns with 10 mantissa bits), fp32 accumulation. Fragment layouts
-// (g = lane / 4, t = lane % 4): A 16x8 a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8, t+4);
-// B 8x8 (k, n) b0 (t, g) b1 (t+4, g); C as above.
+// tf32 operands (fp32 bit patterns with 10 mantissa bits), fp32 accumulation.
 __device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x8_F32TF32TF32F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0], d[1],
                                             d[2], d[3]);
 }
+
+// Fragment layouts of the warp MMAs as the kernels index them (g = lane / 4, t = lane % 4, lane >= 0): the
+// operand element that register r of a lane holds; 16-bit operands hold two, h = 0 in the low half.
+// m16n8k16, A 16x16 (m, k): a0 (g, 2t + h), a1 (g + 8, 2t + h), a2 (g, 2t + 8 + h), a3 (g + 8, 2t + 8 + h);
+//           B 16x8 (k, n):  b0 (2t + h, g), b1 (2t + 8 + h, g).
+struct Frag16816 {
+  __host__ __device__ static constexpr int a_m(int lane, int r) { return (lane >> 2) + 8 * (r & 1); }
+  __host__ __device__ static constexpr int a_k(int lane, int r, int h) { return 2 * (lane & 3) + h + 8 * (r >> 1); }
+  __host__ __device__ static constexpr int b_k(int lane, int r, int h) { return 2 * (lane & 3) + h + 8 * r; }
+  __host__ __device__ static constexpr int b_n(int lane) { return lane >> 2; }
+};
+// m16n8k8 tf32, A 16x8 (m, k): a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4);
+//                B 8x8 (k, n):  b0 (t, g), b1 (t + 4, g).
+struct Frag1688Tf32 {
+  __host__ __device__ static constexpr int a_m(int lane, int r) { return (lane >> 2) + 8 * (r & 1); }
+  __host__ __device__ static constexpr int a_k(int lane, int r) { return (lane & 3) + 4 * (r >> 1); }
+  __host__ __device__ static constexpr int b_k(int lane, int r) { return (lane & 3) + 4 * r; }
+  __host__ __device__ static constexpr int b_n(int lane) { return lane >> 2; }
+};
+// The fp32 m16n8 accumulator of both, C/D 16x8 (m, n): c0 c1 (g, 2t + i), c2 c3 (g + 8, 2t + i - 2).
+struct FragAcc {
+  __host__ __device__ static constexpr int m(int lane, int i) { return (lane >> 2) + 8 * (i >> 1); }
+  __host__ __device__ static constexpr int n(int lane, int i) { return 2 * (lane & 3) + (i & 1); }
+};
+
+// CuTe's layouts map (lane, value) to the column-major index of the element in the atom's
+// M x K (A), N x K (B) and M x N (C) tile; a 16-bit register holds values 2r and 2r + 1.
+template <class Atom, class Frag, int kPerReg>
+__host__ __device__ constexpr bool matches_mma_layouts() {
+  using Traits = cute::MMA_Traits<Atom>;
+  constexpr int M = cute::size<0>(typename Traits::Shape_MNK{}), N = cute::size<1>(typename Traits::Shape_MNK{});
+  const auto A = typename Traits::ALayout{};
+  const auto B = typename Traits::BLayout{};
+  const auto C = typename Traits::CLayout{};
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < kPerReg; ++h) {
+        int a_k = 0, b_k = 0;
+        if constexpr (kPerReg == 2) {
+          a_k = Frag::a_k(lane, r, h);
+          b_k = r < 2 ? Frag::b_k(lane, r, h) : 0;
+        } else {
+          a_k = Frag::a_k(lane, r);
+          b_k = r < 2 ? Frag::b_k(lane, r) : 0;
+        }
+        if (int(A(lane, kPerReg * r + h)) != Frag::a_m(lane, r) + M * a_k) return false;
+        if (r < 2 && int(B(lane, kPerReg * r + h)) != Frag::b_n(lane) + N * b_k) return false;
+      }
+    for (int i = 0; i < 4; ++i)
+      if (int(C(lane, i)) != FragAcc::m(lane, i) + M * FragAcc::n(lane, i)) return false;
+  }
+  return true;
+}
+static_assert(matches_mma_layouts<cute::SM80_16x8x16_F32BF16BF16F32_TN, Frag16816, 2>(), "m16n8k16 bf16");
+static_assert(matches_mma_layouts<cute::SM80_16x8x16_F32F16F16F32_TN, Frag16816, 2>(), "m16n8k16 fp16");
+static_assert(matches_mma_layouts<cute::SM80_16x8x8_F32TF32TF32F32_TN, Frag1688Tf32, 1>(), "m16n8k8 tf32");
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
   uint32_t r;
@@ -146,7 +198,7 @@ __device__ __forceinline__ uint32_t neg2(uint32_t x) { return x ^ 0x80008000u; }
 // 16-byte chunk bits 4 .. 4+B-1). Their offsets are written out by hand, each a small XOR of the
 // chunk index with the row: applying the Swizzle functor to the whole byte offset computes the same
 // values but takes 3-6% more SASS instructions in chunk_prepare and chunk_recurrence (where the
-// chunk index is a constant of an unrolled loop and the row a lane's). matches_swizzle() checks
+// chunk index is a constant of an unrolled loop and the row a lane's), and ran 4-6% slower. matches_swizzle() checks
 // each tile's offsets against CuTe's layout at compile time.
 template <class Tile, class Layout>
 __host__ __device__ constexpr bool matches_swizzle(int rows, int chunks, Layout layout) {

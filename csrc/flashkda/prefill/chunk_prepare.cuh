@@ -262,7 +262,9 @@ static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= int(sizeof(Pr
 constexpr bool kInverseSplitTf32 = false;
 
 // acc (two 16x8 C fragments, columns 0-7 and 8-15) += X · Y for 16x16 fp32 blocks in shared
-// memory (views with at(r, c)), tf32 operands (kInverseSplitTf32: 3xTF32, fp32 accuracy).
+// memory (views with at(r, c)), tf32 operands (kInverseSplitTf32: 3xTF32, fp32 accuracy). The
+// operands are gathered in sm80::Frag1688Tf32's layout, written out: the same offsets through its
+// functions compile to other SASS (this kernel's register allocation is sensitive to the form).
 template <class XView, class YView>
 __device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const XView& X, const YView& Y) {
   const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
@@ -296,11 +298,11 @@ __device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const XVi
 // A 16x16 block of C fragments (as block_product_tf32 leaves it), times sign, to shared memory.
 template <class View>
 __device__ __forceinline__ void store_block(const View& dst, const float (&acc)[2][4], float sign) {
-  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dst.at(g8 + 8 * (e >> 1), 8 * nt + 2 * t4 + (e & 1)) = sign * acc[nt][e];
+    for (int e = 0; e < 4; ++e) dst.at(sm80::FragAcc::m(lane, e), 8 * nt + sm80::FragAcc::n(lane, e)) = sign * acc[nt][e];
 }
 
 // Phase 2 work: the ten blocks (a, b), b <= a, of A and of M. A and M share their column operand
