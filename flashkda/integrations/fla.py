@@ -54,7 +54,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from flashkda import _constants
 from flashkda import _ext
 from flashkda import api as _api
 from flashkda._ext import log
@@ -571,8 +570,8 @@ def registered_backends() -> tuple:
     """The backend objects in FLA's registries, ``(chunk_kda's, the 'kda' operations', the
     'gated_delta_rule' operations')`` (the last None when FLA's GDN function was not mirrored), or
     ``()`` before :func:`register`. FLA calls their methods by name (``chunk_kda``,
-    ``fused_recurrent_kda_fwd``, ``chunk_gated_delta_rule`` and their ``*_verifier``), so an
-    attribute set on one of them (a counting wrapper, say) is what FLA calls."""
+    ``fused_recurrent_kda_fwd``, ``chunk_gated_delta_rule``, and the two chunk entries'
+    ``*_verifier``), so an attribute set on one of them (a counting wrapper, say) is what FLA calls."""
     return _backends
 
 
