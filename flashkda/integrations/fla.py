@@ -421,10 +421,10 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
             if r.__class__ is tuple:
                 return r  # serving: (out, the pool); otherwise (out, new state or None), as FLA returns
     # FLA asked no verifier (the backend registers none for this entry): the rules decide here.
-    reason = _verdict(_fused_recurrent_kda_fwd_reason,
-                      (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
-                       state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-                       use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out), kwargs)[1]
+    reason = fused_recurrent_kda_fwd_verifier(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+        state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+        use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs)[1]
     if reason is not None:
         return _fla_fallback(reason, q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
