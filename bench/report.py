@@ -63,12 +63,16 @@ def plot(records, path):
     heads = sorted({h for _, h, _ in sweep})
     if not heads:
         return
+    # One colour per implementation in every panel (merged records come in any order): flashkda first.
+    impls = sorted(OrderedDict.fromkeys(r["impl"] for _, _, r in sweep), key=lambda i: i != "flashkda")
+    colours = {impl: f"C{i}" for i, impl in enumerate(impls)}
     fig, axes = plt.subplots(1, len(heads), figsize=(5 * len(heads), 4), squeeze=False)
     for ax, h in zip(axes[0], heads):
         rows = [(t, r) for t, hh, r in sweep if hh == h]
-        for impl in OrderedDict.fromkeys(r["impl"] for _, r in rows):
+        for impl in impls:
             pts = sorted((t, r["median_ms"]) for t, r in rows if r["impl"] == impl)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl, color=colours[impl])
         floor = sorted({(t, r["floor_ms"]) for t, r in rows if r["impl"] == "flashkda"})
         ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--", label="HBM floor")
         ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="ms", title=f"H = {h}, D = 128, B = 1")
