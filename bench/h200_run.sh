@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine session: build the extension for the arch in FLASHKDA_CUDA_ARCHS (default 90a),
+# One run on a GPU machine: build the extension for the arch in FLASHKDA_CUDA_ARCHS (default 90a),
 # run the GPU tests and the benchmarks, and print a short table last. Wheels that the machine lacks
 # (fla-core, nvidia-cutlass) are installed from .whl/ when present. Logs and JSON go to $OUT.
 set -uo pipefail

@@ -3,7 +3,7 @@
 B = 1, K = V = 128, bf16 q/k/v/g/beta (raw: l2norm, gate and beta sigmoid in the kernel), lower-bound
 gate -5 with A_log [H] and dt_bias [H, K], safe_gate, fp32 V-first initial and final state,
 inference mode. FLA's chunk_kda and chunk_gated_delta_rule (the scalar-gate baseline) run in the
-same session when importable; the floor is the bytes that must move over the copy bandwidth.
+same process when importable; the floor is the bytes that must move over the copy bandwidth.
 Records: impl flashkda, flashkda_softplus (unbounded gate), flashkda_gdn (scalar gate), flashkda_sm80
 (the sm_80 kernel family forced), fla_chunk_kda, fla_chunk_gdn; cases named as in bench/cases.py, plus
 sweep_T{T}_H{H} for the plot of time against T.

@@ -26,7 +26,8 @@ def main() -> None:
     assert anchor in text
     text = text.replace(anchor, anchor + "  long long fkda_last = clock64(); int fkda_phase = 0;\n", 1)
     kernel_at = text.index("chunk_prepare_kernel(")
-    end_at = text.index("template <typename Elem>\ncudaError_t launch_prepare")
+    launch_at = text.index("cudaError_t launch_prepare(")
+    end_at = text.rindex("template <", 0, launch_at)  # the launcher's template line ends the kernel body
     body = text[kernel_at:end_at]
     for m in MARKS:
         pos, out = 0, ""
