@@ -111,6 +111,11 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
 }
 
+// Whether slot s names a state of the pool; any other slot marks padding (RecurrentParams::num_slots).
+__device__ __forceinline__ bool slot_ok(const RecurrentParams& p, int64_t s) {
+  return s >= 0 && s < p.num_slots;
+}
+
 // Inclusive prefix sum over the lanes of a warp (all 32 lanes take part).
 __device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
 #pragma unroll

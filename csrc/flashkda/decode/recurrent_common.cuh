@@ -30,10 +30,6 @@ struct Sequence {
   bool skip;          // padding sequence: zero output, no state traffic
 };
 
-__device__ __forceinline__ bool slot_ok(const RecurrentParams& p, int64_t s) {
-  return s >= 0 && s < p.num_slots;
-}
-
 __device__ __forceinline__ Sequence resolve_sequence(const RecurrentParams& p, int n) {
   Sequence s;
   if (p.cu_seqlens != nullptr) {

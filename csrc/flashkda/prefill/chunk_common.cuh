@@ -102,7 +102,7 @@ __device__ __forceinline__ int64_t segment_matrix(const ChunkParams& p, int n, c
 __device__ __forceinline__ int64_t sequence_state_slot(const ChunkParams& p, int n) {
   if (p.slot_indices == nullptr) return n;
   const int64_t slot = load_index(p.slot_indices, p.idx_type, n);
-  return slot >= 0 && slot < p.num_slots ? slot : -1;
+  return slot_ok(p, slot) ? slot : -1;
 }
 
 // Whether sequence n starts from its stored state (else from zeros).
