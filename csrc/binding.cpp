@@ -100,19 +100,38 @@ int num_sms(int device) {
   return sms;
 }
 
-// The device's compute capability major, cached; a failed query answers kMinComputeMajor, so that
-// the kernels launch and report the error themselves.
+// Why `device` cannot run this build's kernels (compute capability below kMinComputeMajor, or no
+// loadable image: a build without machine code or PTX for it), or nullptr; asked once per device.
+// A failed capability query answers nullptr, so that the kernels launch and report the error.
 constexpr int kMinComputeMajor = 8;  // flashkda/_ext.py: MIN_COMPUTE_CAPABILITY
-int compute_major(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int major = 0;
+const char* kernel_image_error(int device) {
+  static std::atomic<int> cached[64] = {};  // 0: not asked; 1: runs; 2: capability; 3: no image
+  static const char* const kReasons[] = {nullptr, nullptr, "compute capability too low for this build",
+                                         "no kernel image of this build for the GPU (FLASHKDA_CUDA_ARCHS)"};
+  const bool cacheable = device >= 0 && device < 64;
+  if (cacheable) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return kReasons[known];
+  }
+  int major = 0, verdict = 1;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
     (void)cudaGetLastError();
-    return kMinComputeMajor;
+    return nullptr;
   }
-  if (device >= 0 && device < 64) cached[device] = major;
-  return major;
+  if (major < kMinComputeMajor) {
+    verdict = 2;
+  } else {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    if (kernel_image_status() != cudaSuccess) verdict = 3;
+  }
+  if (cacheable) cached[device].store(verdict, std::memory_order_relaxed);
+  return kReasons[verdict];
+}
+
+// kernel_image_error for Python: the reason, or None.
+std::optional<std::string> kernel_image_reason(int64_t device) {
+  const char* reason = kernel_image_error(int(device));
+  return reason != nullptr ? std::optional<std::string>(reason) : std::nullopt;
 }
 
 const at::Tensor* opt(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
@@ -470,8 +489,7 @@ const char* check(PyObject* const* a, Call& c) {
       return "out: not a contiguous tensor like v";
   }
   if (!q.is_cuda()) return kNotCuda;
-  if (compute_major(q.get_device()) < kMinComputeMajor)
-    return "q: on a GPU without a kernel image (compute capability)";
+  if (kernel_image_error(q.get_device()) != nullptr) return "q: on a GPU without a kernel image of this build";
   return nullptr;
 }
 
@@ -763,6 +781,8 @@ PYBIND11_MODULE(_C, m) {
         "kernel family for every later call in this process: 0 auto, 80 sm_80 kernels, 90 sm_90 kernels where "
         "they apply");
   m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80 or 90)");
+  m.def("kernel_image_reason", &flashkda::kernel_image_reason,
+        "why CUDA device `device` cannot run this build's kernels, or None (asked once per device)");
   m.def("chunk_smem_bytes", &flashkda::chunk_smem_bytes,
         "dynamic shared memory per block (bytes) that the chunked kernels need (no CUDA call)");
   PyObject* fused_recurrent =

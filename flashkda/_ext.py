@@ -94,13 +94,20 @@ _device_shortfall: dict = {}
 
 
 def device_shortfall(index: int):
-    """Why CUDA device ``index`` has no kernel image (compute capability below 8.0), or None; one
-    query per device."""
+    """Why CUDA device ``index`` cannot run the kernels, or None: a compute capability below 8.0, or
+    a build with neither machine code for the device nor PTX it can compile (e.g.
+    ``FLASHKDA_CUDA_ARCHS=90a`` on an A100); one query per device."""
     if index not in _device_shortfall:
         cc = tuple(torch.cuda.get_device_capability(index))
-        _device_shortfall[index] = None if cc >= MIN_COMPUTE_CAPABILITY else (
-            f"compute capability {cc[0]}.{cc[1]} (the kernels need {MIN_COMPUTE_CAPABILITY[0]}."
-            f"{MIN_COMPUTE_CAPABILITY[1]} or later)")
+        if cc < MIN_COMPUTE_CAPABILITY:
+            reason = (f"compute capability {cc[0]}.{cc[1]} (the kernels need {MIN_COMPUTE_CAPABILITY[0]}."
+                      f"{MIN_COMPUTE_CAPABILITY[1]} or later)")
+        else:
+            image = _C.kernel_image_reason(index) if HAS_EXTENSION else None
+            reason = None if image is None else f"compute capability {cc[0]}.{cc[1]}: {image}"
+        if reason is not None:  # every call on this device will run the reference: said once, loudly
+            log.warning("flashkda: CUDA device %d runs the PyTorch reference: %s", index, reason)
+        _device_shortfall[index] = reason
     return _device_shortfall[index]
 
 

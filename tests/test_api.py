@@ -399,12 +399,46 @@ def test_cuda_constants_match_python():
 @pytest.mark.parametrize("cc, ok", [((7, 5), False), ((8, 0), True), ((8, 9), True), ((12, 0), True)])
 def test_devices_without_a_kernel_image_are_named(monkeypatch, cc, ok):
     """Below compute capability 8.0 the build has no kernel image: the reference runs, with the reason."""
+    class Image:  # the build has an image for every capable device
+        @staticmethod
+        def kernel_image_reason(index):
+            return None
+
     monkeypatch.setattr(_ext, "_device_shortfall", {})
+    monkeypatch.setattr(_ext, "_C", Image, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: cc)
     reason = _ext.device_shortfall(0)
     assert (reason is None) == ok
     if not ok:
         assert f"compute capability {cc[0]}.{cc[1]}" in reason
+
+
+def test_a_build_without_an_image_for_the_device_is_named(monkeypatch, caplog):
+    """A capable GPU that the build has no image for (e.g. FLASHKDA_CUDA_ARCHS=90a on an A100): the
+    extension's answer becomes the reason, warned once per device."""
+    class NoImage:
+        @staticmethod
+        def kernel_image_reason(index):
+            return "no kernel image of this build for the GPU (FLASHKDA_CUDA_ARCHS)"
+
+    monkeypatch.setattr(_ext, "_device_shortfall", {})
+    monkeypatch.setattr(_ext, "HAS_EXTENSION", True)
+    monkeypatch.setattr(_ext, "_C", NoImage, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (12, 0))
+    with caplog.at_level(logging.WARNING, logger="flashkda"):
+        reason = _ext.device_shortfall(0)
+        assert _ext.device_shortfall(0) == reason
+    assert reason == "compute capability 12.0: no kernel image of this build for the GPU (FLASHKDA_CUDA_ARCHS)"
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and reason in caplog.records[0].getMessage()
+
+
+@pytest.mark.skipif(not _ext.HAS_EXTENSION, reason="needs the extension")
+def test_kernel_image_reason_without_a_gpu_query():
+    """The binding's image probe answers None when the device cannot be asked (no GPU here), so that
+    the kernels launch and report a CUDA error themselves; on a GPU, None for the default build."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU form runs in tests/test_cuda_recurrent.py")
+    assert _ext._C.kernel_image_reason(0) is None
 
 
 def test_kernel_family_switch(monkeypatch):

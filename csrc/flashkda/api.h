@@ -59,4 +59,9 @@ cudaError_t run_chunk_segment_scan(const ChunkParams& params, cudaStream_t strea
 // limit, and no GPU has one in between.
 int chunk_smem_bytes();
 
+// cudaSuccess when the current device can run this build's kernels, else the error of loading one
+// (cudaErrorNoKernelImageForDevice: neither machine code for the device nor PTX it can compile).
+// Every translation unit is built for the same architectures, so one kernel answers for all.
+cudaError_t kernel_image_status();
+
 }  // namespace flashkda

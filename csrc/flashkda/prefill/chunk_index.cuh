@@ -132,4 +132,11 @@ cudaError_t run_chunk_index(const ChunkParams& p, cudaStream_t stream) {
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+cudaError_t kernel_image_status() {
+  cudaFuncAttributes attr{};
+  const cudaError_t err = cudaFuncGetAttributes(&attr, chunk::chunk_index_kernel);
+  if (err != cudaSuccess) (void)cudaGetLastError();
+  return err;
+}
+
 }  // namespace flashkda
