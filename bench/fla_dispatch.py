@@ -129,5 +129,6 @@ def main():
         print(f"{case:<16} | {direct:6.2f} | {through:11.2f} | {extra:6.2f} {met:<6} | {dispatcher:16.2f} | "
               f"{adapter:7.2f} | {wrapper:>20} | {fla_alone:9.2f}")
 
+
 if __name__ == "__main__":
     main()

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import flashkda  # noqa: E402
 from cases import PREFILL_ROWS, PREFIX_CHECKPOINT_TOKENS, PREFIX_ROW  # noqa: E402
 from common import cuda_median_ms, floor_ms, record  # noqa: E402
-from test_prefill import KDA_FLAGS, _floor, _inputs, checkpoint_kwargs, prefix_state_bytes  # noqa: E402
+from test_prefill import CHUNK, KDA_FLAGS, _floor, _inputs, checkpoint_kwargs, prefix_state_bytes  # noqa: E402
 
 
 def main():
@@ -34,7 +34,7 @@ def main():
     args = ap.parse_args()
     lens, H = PREFILL_ROWS[PREFIX_ROW]
     kw = _inputs(lens, H)
-    chunks, every = -(-sum(lens) // 64), PREFIX_CHECKPOINT_TOKENS // 64
+    chunks, every = -(-sum(lens) // CHUNK), PREFIX_CHECKPOINT_TOKENS // CHUNK
     N = len(lens)
     forms = {
         "plain": {},

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import flashkda
+from flashkda._constants import CHUNK_STATE_TOKENS as CHUNK
 from cases import PREFILL_ROWS, PREFILL_SWEEP, PREFIX_CHECKPOINT_TOKENS, PREFIX_ROW
 from common import cuda_median_ms, floor_ms, kernel_family, record
 
@@ -121,7 +122,7 @@ def checkpoint_kwargs(N, chunks, H, every, dtype=torch.float32, index_dtype=torc
 
 def prefix_state_bytes(kind, chunks, H):
     """Bytes the states at chunk starts add: every chunk's bf16 state, or the fp32 checkpoints."""
-    every = PREFIX_CHECKPOINT_TOKENS // 64
+    every = PREFIX_CHECKPOINT_TOKENS // CHUNK
     return chunks * H * D * D * 2 if kind == "intermediate_states" else (chunks - 1) // every * H * D * D * 4
 
 
@@ -135,9 +136,9 @@ def test_prefill_prefix_states(benchmark, kind, impl):
     if impl == "fla_chunk_kda" and (fla_kda is None or kind == "checkpoints"):
         pytest.skip("fla not importable" if fla_kda is None else "FLA has no checkpoint pool")
     kw = _inputs(lens, H)
-    chunks = -(-sum(lens) // 64)
+    chunks = -(-sum(lens) // CHUNK)
     extra = dict(return_intermediate_states=True) if kind == "intermediate_states" else \
-        checkpoint_kwargs(len(lens), chunks, H, PREFIX_CHECKPOINT_TOKENS // 64)
+        checkpoint_kwargs(len(lens), chunks, H, PREFIX_CHECKPOINT_TOKENS // CHUNK)
     if impl == "flashkda":
         plain_fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS)  # noqa: E731
         fn = lambda: flashkda.chunk_kda(**kw, **KDA_FLAGS, **extra)  # noqa: E731
