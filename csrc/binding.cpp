@@ -91,12 +91,19 @@ int64_t get_kernel_family() { return g_kernel_family.load(std::memory_order_rela
 
 KernelFamily kernel_family() { return static_cast<KernelFamily>(get_kernel_family()); }
 
+// Per-device facts are cached for the first kMaxCachedDevices devices and asked every call beyond.
+constexpr int kMaxCachedDevices = 64;
+bool device_cacheable(int device) { return device >= 0 && device < kMaxCachedDevices; }
+
 int num_sms(int device) {
-  static int cached[64] = {0};
-  if (device < 64 && cached[device] > 0) return cached[device];
+  static std::atomic<int> cached[kMaxCachedDevices] = {};  // 0: not asked
+  if (device_cacheable(device)) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (device < 64) cached[device] = sms;
+  if (device_cacheable(device)) cached[device].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
@@ -105,10 +112,10 @@ int num_sms(int device) {
 // A failed capability query answers nullptr, so that the kernels launch and report the error.
 constexpr int kMinComputeMajor = 8;  // flashkda/_ext.py: MIN_COMPUTE_CAPABILITY
 const char* kernel_image_error(int device) {
-  static std::atomic<int> cached[64] = {};  // 0: not asked; 1: runs; 2: capability; 3: no image
+  static std::atomic<int> cached[kMaxCachedDevices] = {};  // 0: not asked; 1: runs; 2: capability; 3: no image
   static const char* const kReasons[] = {nullptr, nullptr, "compute capability too low for this build",
                                          "no kernel image of this build for the GPU (FLASHKDA_CUDA_ARCHS)"};
-  const bool cacheable = device >= 0 && device < 64;
+  const bool cacheable = device_cacheable(device);
   if (cacheable) {
     const int known = cached[device].load(std::memory_order_relaxed);
     if (known > 0) return kReasons[known];

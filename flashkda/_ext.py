@@ -93,6 +93,10 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 _device_shortfall: dict = {}
 
 
+# torch.compile calls the per-device checks below while tracing and keeps their answers as constants
+# (the device is part of what a traced graph is specialised on), so traced code takes the same path
+# as eager code.
+@torch.compiler.assume_constant_result
 def device_shortfall(index: int):
     """Why CUDA device ``index`` cannot run the kernels, or None: a compute capability below 8.0, or
     a build with neither machine code for the device nor PTX it can compile (e.g.
@@ -141,6 +145,7 @@ if HAS_EXTENSION:
 
     _chunk_smem_shortfall: dict = {}
 
+    @torch.compiler.assume_constant_result
     def chunk_smem_shortfall(index: int):
         """Why CUDA device ``index`` cannot run the chunked kernels (too little shared memory per
         block, e.g. sm_86 / sm_89), or None; one properties query per device."""

@@ -241,10 +241,9 @@ def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) 
         return f"inputs are on {q.device}"
     if not _ext.HAS_EXTENSION:
         return f"CUDA extension not available ({_ext.EXTENSION_ERROR})"
-    if not torch.compiler.is_compiling():  # a device query; traced code relies on the fast entry's check
-        shortfall = _ext.device_shortfall(q.get_device())
-        if shortfall is not None:
-            return shortfall
+    shortfall = _ext.device_shortfall(q.get_device())
+    if shortfall is not None:
+        return shortfall
     if p.K != p.V or p.K not in C.KERNEL_HEAD_DIMS:
         return f"head dims K={p.K}, V={p.V} (kernels: K == V in {C.KERNEL_HEAD_DIMS})"
     if q.dtype not in _KERNEL_TYPES:
@@ -326,9 +325,7 @@ def _chunk_kernel_unsupported(p: _Problem, q) -> Optional[str]:
         return f"head dim {p.K} (chunked kernels: {C.CHUNK_HEAD_DIM})"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"{q.dtype} inputs (chunked kernels: bfloat16, float16)"
-    # Not traceable: under torch.compile a device too small for the chunked kernels fails at launch
-    # with the binding's error (call once eagerly, or use the token-by-token kernel there).
-    if q.is_cuda and not torch.compiler.is_compiling():
+    if q.is_cuda:
         return _ext.chunk_smem_shortfall(q.get_device())
     return None
 

@@ -340,3 +340,25 @@ def test_the_device_runs_the_build_or_the_reference(kind):
         assert "no kernel image" in image and "no kernel image" in shortfall
     kw = make_inputs(lens=[1, 17, 97], H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
     _check(kw, kind=kind, tol=CHUNK_TOL[torch.bfloat16] if kind == "chunk" else None)
+
+
+@pytest.mark.parametrize("kind", ["chunk", "recurrent"])
+def test_traced_calls_on_a_device_without_kernels_run_the_reference(kind, monkeypatch):
+    """torch.compile asks device_shortfall while tracing, so a traced call on a GPU that cannot run
+    the kernels takes the reference (with graph breaks where it reads host values), as an eager call
+    does, instead of launching a kernel that is not there."""
+    from flashkda import _ext
+
+    def no_kernel(*args):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(_ext, "device_shortfall", lambda index: "no kernel image (test)")
+    for entry in ("chunk_fwd_op", "chunk_fwd_eager", "recurrent_fwd_op", "recurrent_fwd_eager"):
+        monkeypatch.setattr(_ext, entry, no_kernel)
+    torch._dynamo.reset()
+    kw = make_inputs(lens=[1, 17, 97], H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
+    fn = public_fn(kind, False)
+    o, s = torch.compile(lambda **a: fn(**a, output_final_state=True))(**kw)
+    ref_o, ref_s = reference64(kw, output_final_state=True)
+    # the fp32 reference: output within bf16 rounding, state far below any kernel's error
+    assert rel_err(o, ref_o) <= TOL[torch.bfloat16] and rel_err(s, ref_s) <= 1e-4

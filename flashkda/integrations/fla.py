@@ -344,6 +344,17 @@ def _fla_fallback(reason: str, *args, **kwargs):
     return fla_fn(*args, **kwargs)
 
 
+def _renamed_state_layout(state_v_first, kwargs):
+    """``state_v_first``, or FLA's deprecated name for it in ``kwargs``, warned as FLA warns (the
+    verifier has rejected a call that gives both)."""
+    if "transpose_state_layout" not in kwargs:
+        return state_v_first
+    # stacklevel: the caller of FLA's dispatcher, as FLA's own warning points at
+    warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                  DeprecationWarning, stacklevel=5)
+    return bool(kwargs["transpose_state_layout"])
+
+
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
@@ -355,10 +366,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Meant for calls that :func:`chunk_kda_verifier` accepts (FLA's dispatcher guarantees it);
     ``disable_recompute``, ``use_graph`` and ``max_num_seqs`` do not change a forward result.
     """
-    if "transpose_state_layout" in kwargs:
-        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
-                      DeprecationWarning, stacklevel=4)
-        state_v_first = bool(kwargs["transpose_state_layout"])
+    state_v_first = _renamed_state_layout(state_v_first, kwargs)
     if use_gate_in_kernel:
         A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
     else:
@@ -383,10 +391,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     ``chunk_size`` do not change a forward result. With ``use_gate_in_kernel`` (a keyword of FLA's
     ``**kwargs``, as ``A_log`` and ``dt_bias``) the gate is ``-exp(A_log) * softplus(g + dt_bias)``.
     """
-    if "transpose_state_layout" in kwargs:
-        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
-                      DeprecationWarning, stacklevel=4)
-        state_v_first = bool(kwargs["transpose_state_layout"])
+    state_v_first = _renamed_state_layout(state_v_first, kwargs)
     use_gate_in_kernel = bool(kwargs.get("use_gate_in_kernel", False))
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
     return _api.chunk_gated_delta_rule(
