@@ -28,11 +28,13 @@ def _poison_allocator(like: torch.Tensor, count: int = 4) -> None:
     del blocks
 
 
-def _check(kw, kind="recurrent", gdn=False, tol=None, **extra):
-    """`tol`: one bound for the output and the state, or an (output, state) pair."""
+def _check(kw, kind="recurrent", gdn=False, tol=None, wrap=None, **extra):
+    """`tol`: one bound for the output and the state, or an (output, state) pair; `wrap`: applied to
+    the public function before the call (e.g. torch.compile)."""
     tol_o, tol_s = tol if isinstance(tol, tuple) else (tol or TOL[kw["q"].dtype],) * 2
     _poison_allocator(kw["v"])
-    o, s = public_fn(kind, gdn)(**kw, output_final_state=True, **extra)
+    fn = public_fn(kind, gdn)
+    o, s = (wrap(fn) if wrap is not None else fn)(**kw, output_final_state=True, **extra)
     torch.cuda.synchronize()
     ref_o, ref_s = reference64(kw, output_final_state=True)
     eo, es = rel_err(o, ref_o), rel_err(s, ref_s)
@@ -325,11 +327,13 @@ def test_bad_inputs_are_rejected_on_cuda(case):
             flashkda.fused_recurrent_kda(**to_cuda(kw))
 
 
+@pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])
-def test_the_device_runs_the_build_or_the_reference(kind):
+def test_the_device_runs_the_build_or_the_reference(kind, traced):
     """Never a CUDA error for want of a kernel image: when the build has no image for this GPU (a
     build of FLASHKDA_CUDA_ARCHS=80 without PTX on an H100 / H200) device_shortfall names it and the
-    calls run the reference; otherwise the kernels run. Either way, the contract's result."""
+    calls, eager or traced by torch.compile, run the reference; otherwise the kernels run. Either
+    way, the contract's result."""
     from flashkda import _ext
 
     device = torch.cuda.current_device()
@@ -339,7 +343,10 @@ def test_the_device_runs_the_build_or_the_reference(kind):
     if image is not None:
         assert "no kernel image" in image and "no kernel image" in shortfall
     kw = make_inputs(lens=[1, 17, 97], H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
-    _check(kw, kind=kind, tol=CHUNK_TOL[torch.bfloat16] if kind == "chunk" else None)
+    if traced:
+        torch._dynamo.reset()
+    _check(kw, kind=kind, tol=CHUNK_TOL[torch.bfloat16] if kind == "chunk" else None,
+           wrap=torch.compile if traced else None)
 
 
 @pytest.mark.parametrize("kind", ["chunk", "recurrent"])
