@@ -344,7 +344,7 @@ def test_the_device_runs_the_build_or_the_reference(kind, traced):
         assert "no kernel image" in image and "no kernel image" in shortfall
     kw = make_inputs(lens=[1, 17, 97], H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
     if traced:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     _check(kw, kind=kind, tol=CHUNK_TOL[torch.bfloat16] if kind == "chunk" else None,
            wrap=torch.compile if traced else None)
 
@@ -362,7 +362,7 @@ def test_traced_calls_on_a_device_without_kernels_run_the_reference(kind, monkey
     monkeypatch.setattr(_ext, "device_shortfall", lambda index: "no kernel image (test)")
     for entry in ("chunk_fwd_op", "chunk_fwd_eager", "recurrent_fwd_op", "recurrent_fwd_eager"):
         monkeypatch.setattr(_ext, entry, no_kernel)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     kw = make_inputs(lens=[1, 17, 97], H=2, D=128, dtype=torch.bfloat16, device="cuda", state_v_first=True)
     fn = public_fn(kind, False)
     o, s = torch.compile(lambda **a: fn(**a, output_final_state=True))(**kw)
