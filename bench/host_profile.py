@@ -1,11 +1,13 @@
-"""Where the host time of one eager decode call goes: bench/test_decode.py's case at N = 1 (H = 32,
+"""Where the host time of one eager decode call, and of one small prefill call, goes: bench/test_decode.py's case at N = 1 (H = 32,
 K = V = 128, bf16 q/k/v/g/beta, fp32 V-first pool of N + 8 slots, int32 slot indices, lower-bound
 gate -5 with A_log/dt_bias, l2norm and beta sigmoid in the kernel, out= given).
 
 On a CUDA device: host µs per call, from 200 eager calls issued back to back without
 synchronising (fewer than the launch queue holds, so the GPU's pace does not show), for the whole
 call, its parts and the other ways in; then the CUDA-event time of one eager call, which includes
-the time the GPU waits for the host (the decode benchmark's N = 1 figure).
+the time the GPU waits for the host (the decode benchmark's N = 1 figure). Then the same for one
+eager prefill call, bench/test_prefill.py's chunk_kda at T = 1024, H = 16 (the smallest point of its
+T sweep): the whole call, its Python part and the binding alone (100 calls).
 
 ``--cpu`` (no device needed): the checks alone, on CPU tensors of the same shapes. The fast entry
 runs every check and declines at the last one (the device); the public wrapper is timed with the
@@ -23,6 +25,11 @@ import torch
 import flashkda
 from flashkda import _ext, api
 from test_decode import _inputs
+from test_prefill import KDA_FLAGS
+from test_prefill import _inputs as prefill_inputs
+
+#: bench/test_prefill.py's call at the smallest point of its T sweep, where the host's time shows.
+PREFILL_T, PREFILL_H = 1024, 16
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -118,10 +125,29 @@ def main_cuda():
         with patched(patches):
             report(name, cuda_median_ms(fn, calls=100) * 1e3, "CUDA-event µs")
 
+    pk = prefill_inputs([PREFILL_T], PREFILL_H)
+    prefill_name = f"chunk_kda T = {PREFILL_T}, H = {PREFILL_H}"
+
+    def prefill():
+        flashkda.chunk_kda(**pk, **KDA_FLAGS)
+
+    seen = []
+    with mock.patch.object(_ext, "chunk_fwd_eager", lambda *args: seen.append(args)):
+        prefill()
+    chunk_args = seen[0]
+    # 100 calls: two launches each, well inside the launch queue
+    measure([
+        (prefill_name, prefill, []),
+        ("  Python part (binding stubbed)", prefill, [(_ext, "chunk_fwd_eager", lambda *args: None)]),
+        ("  binding _C.chunk_fwd (prepared arguments)", lambda: _ext.chunk_fwd_eager(*chunk_args), []),
+    ], lambda fn: host_overhead_us(fn, calls=100))
+    report(prefill_name, cuda_median_ms(prefill, calls=100) * 1e3, "CUDA-event µs")
+
 
 def main_cpu():
     kw = _inputs(1, dev="cpu")
     out = torch.empty_like(kw["v"])
+    pk = prefill_inputs([PREFILL_T], PREFILL_H, device="cpu")
 
     def kda():
         flashkda.fused_recurrent_kda(**kw, out=out)
@@ -141,6 +167,9 @@ def main_cpu():
          [(api, "_fast", None), (api, "_kernel_unsupported", lambda *args: None),
           (_ext, "recurrent_fwd_eager", lambda *args: None)]),
         ("  of which the slot range check (CPU indices only)", lambda: int(kw["ssm_state_indices"].max()), []),
+        (f"chunk_kda T = {PREFILL_T}, H = {PREFILL_H}: kernel dispatch forced, binding stubbed",
+         lambda: flashkda.chunk_kda(**pk, **KDA_FLAGS),
+         [(api, "_kernel_unsupported", lambda *args: None), (_ext, "chunk_fwd_eager", lambda *args: None)]),
     ]
     measure(rows, cpu_per_call_us)
 

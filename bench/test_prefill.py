@@ -28,19 +28,19 @@ except Exception:  # fla not installed (or no triton): baselines skipped
     fla_kda = fla_gdn = None
 
 
-def _inputs(lens, H, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def _inputs(lens, H, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
     T = sum(lens)
     bf = torch.bfloat16
 
     def rnd(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen).to(bf)
+        return torch.randn(*shape, device=device, generator=gen).to(bf)
 
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return dict(
         q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, H, D), g=rnd(1, T, H, D), beta=rnd(1, T, H),
-        A_log=torch.rand(H, device="cuda", generator=gen), dt_bias=torch.rand(H, D, device="cuda", generator=gen),
-        initial_state=0.1 * torch.randn(len(lens), H, D, D, device="cuda", generator=gen),
+        A_log=torch.rand(H, device=device, generator=gen), dt_bias=torch.rand(H, D, device=device, generator=gen),
+        initial_state=0.1 * torch.randn(len(lens), H, D, D, device=device, generator=gen),
         cu_seqlens=cu if len(lens) > 1 else None, cu_seqlens_cpu=cu.cpu() if len(lens) > 1 else None,
     )
 

@@ -572,6 +572,22 @@ PyMethodDef fused_recurrent_def = {
 
 }  // namespace fast
 
+// The chunked kernels move q, k, v, o and the per-channel gate in 16-byte pieces: every row must
+// start on 16 bytes (unit last stride, other strides and the address multiples of 16 bytes).
+bool has_rows16(const at::Tensor& t) {
+  const int64_t per16 = 16 / t.element_size();
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; ok && d + 1 < t.dim(); ++d) ok = t.stride(d) % per16 == 0;
+  return ok;
+}
+
+// t itself when its rows start on 16 bytes, else a contiguous copy (a view at an odd offset, the
+// q of a fused projection with an odd row stride). A contiguous view at an odd offset is not
+// aligned either, hence clone and not contiguous().
+at::Tensor rows16(const at::Tensor& t) {
+  return t.dim() == 0 || has_rows16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 // Chunks per segment for few long chains, or 0 for whole chains. chunk_recurrence holds one block
 // per SM and spends about the same time per chunk whatever the grid (H200: 1.66 µs at T = 32768,
 // H = 8, and 1.68 µs at T = 8192, H = 16), so a launch costs (chunks per block) × (waves of blocks).
@@ -600,7 +616,7 @@ int64_t auto_segment_chunks(int64_t chunks, int64_t chains, int64_t sms) {
 // by auto_segment_chunks. Serving mode (ssm_state_indices [N] given): `initial_state` is None and
 // `final_state` is the slot pool, read at idx[n] (zeros where has_initial_state[n] is false) and
 // written there in place.
-void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                const at::Tensor& beta, const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
                const std::optional<at::Tensor>& final_state, const at::Tensor& o, double scale, int64_t gate_mode,
@@ -608,6 +624,8 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
                int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                const std::optional<at::Tensor>& chunk_state_slots, const std::optional<at::Tensor>& ssm_state_indices,
                const std::optional<at::Tensor>& has_initial_state) {
+  const at::Tensor q = rows16(q_in), k = rows16(k_in), v = rows16(v_in);
+  const at::Tensor g = g_in.dim() == 4 ? rows16(g_in) : g_in;  // the scalar gate is read element by element
   check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
   if (ssm_state_indices.has_value()) {
     check_serving_state(initial_state, final_state, *ssm_state_indices, q);
@@ -633,15 +651,7 @@ void chunk_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   TORCH_CHECK(p.D == chunk::kHeadDim, "flashkda: the chunked kernels take K == V == ", chunk::kHeadDim);
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
               "flashkda: the chunked kernels take bfloat16 or float16 q, k, v");
-  // q, k, v, o and the per-channel gate move in 16-byte pieces.
-  auto aligned16 = [](const at::Tensor& t) {
-    const int64_t per16 = 16 / t.element_size();
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % per16 == 0 &&
-           t.stride(1) % per16 == 0 && t.stride(2) % per16 == 0;
-  };
-  for (const auto* t : {&q, &k, &v, &o})
-    TORCH_CHECK(aligned16(*t), "flashkda: q, k, v and o must be 16-byte aligned with 16-byte strides");
-  TORCH_CHECK(p.scalar_gate || aligned16(g), "flashkda: g must be 16-byte aligned with 16-byte strides");
+  TORCH_CHECK(has_rows16(o), "flashkda: o must be 16-byte aligned with 16-byte strides");
   set_state_params(p, opt(initial_state), opt(final_state), opt(ssm_state_indices), nullptr);
   check_states(p, q, initial_state, final_state);
   if (ssm_state_indices.has_value())

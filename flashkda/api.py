@@ -267,13 +267,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A gate parameter as the kernels read it: flat and contiguous (a view when it already is), in
-    its own dtype; float64, which the kernels do not read, as a float32 copy."""
+    """A gate parameter as the kernels read it: contiguous (any shape of the right size; the kernels
+    index it flat), in its own dtype; float64, which the kernels do not read, as a float32 copy."""
     if t is None:
         return None
-    if t.dim() != 1 or not t.is_contiguous():
-        t = t.reshape(-1).contiguous()
-    return _kernel_float(t)
+    return _kernel_float(t if t.is_contiguous() else t.contiguous())
 
 
 def _gate_params(p: _Problem, A_log, dt_bias):
@@ -330,23 +328,12 @@ def _chunk_kernel_unsupported(p: _Problem, q) -> Optional[str]:
     return None
 
 
-def _aligned16(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its rows can move in 16-byte pieces (the caching allocator aligns storages to
-    at least 256 bytes, so the storage offset decides), else a contiguous copy."""
-    if torch.compiler.is_compiling():  # storage offsets are not traceable; copies only if strided
-        return x.contiguous()
-    per16 = 16 // x.element_size()
-    ok = x.stride(-1) == 1 and x.storage_offset() % per16 == 0 and all(st % per16 == 0 for st in x.stride()[:-1])
-    # clone, not contiguous(): a contiguous view at an odd offset would come back unchanged
-    return x if ok else x.clone(memory_format=torch.contiguous_format)
-
-
 def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,
                       l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first, chunk_states=None,
                       chunk_state_slots=None, ssm_state_indices=None, has_initial_state=None):
-    q, k, v = _aligned16(q), _aligned16(k), _aligned16(v)
+    # q, k, v and a per-channel g whose rows do not start on 16 bytes: the binding reads a copy.
     g = _kernel_float(g)
-    g = _aligned16(g) if g.dim() == 4 else _last_dim_contiguous(g)
+    g = g if g.dim() == 4 else _last_dim_contiguous(g)
     beta = _last_dim_contiguous(_kernel_float(beta))
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)

@@ -478,8 +478,8 @@ def test_chunk_smem_shortfall(monkeypatch):
             assert f"{have} bytes of shared memory per block" in reason and str(need) in reason
 
 
-def test_chunk_kernel_reasons_and_alignment():
-    from flashkda.api import _aligned16, _chunk_kernel_unsupported, _validate
+def test_chunk_kernel_reasons_and_gate_parameters():
+    from flashkda.api import _chunk_kernel_unsupported, _kernel_param, _validate
 
     def problem(D, dtype):
         kw = make_inputs(T=3, H=1, D=D, dtype=dtype)
@@ -492,16 +492,12 @@ def test_chunk_kernel_reasons_and_alignment():
     assert _chunk_kernel_unsupported(*problem(128, torch.float16)) is None
     assert "head dim 64" in _chunk_kernel_unsupported(*problem(64, torch.bfloat16))
     assert "float32 inputs" in _chunk_kernel_unsupported(*problem(128, torch.float32))
-    # 16-byte rows: contiguous tensors pass through; odd storage offsets and strides are copied.
-    x = torch.randn(1, 9, 2, 128).bfloat16()
-    assert _aligned16(x) is x
-    shifted = x.flatten()[3:3 + 8 * 2 * 128].view(1, 8, 2, 128)
-    y = _aligned16(shifted)
-    assert y is not shifted and y.storage_offset() == 0 and torch.equal(y, shifted)
-    strided = torch.randn(1, 4, 2, 132).bfloat16()[..., :128]  # row stride 132 elements: 264 bytes
-    assert _aligned16(strided) is not strided
-    fused = torch.randn(1, 4, 3, 2, 128).bfloat16()[:, :, 1]  # q of a fused qkv: 16-byte rows, kept
-    assert _aligned16(fused) is fused
+    # Gate parameters reach the kernels as given when contiguous (they index them flat): no copy.
+    for t in (torch.randn(4, 128), torch.randn(1, 1, 4, 1), torch.randn(4)):
+        assert _kernel_param(t) is t
+    strided, wide = torch.randn(128, 4).t(), torch.randn(4, 128, dtype=torch.float64)
+    assert _kernel_param(strided).is_contiguous() and torch.equal(_kernel_param(strided), strided)
+    assert _kernel_param(wide).dtype == torch.float32
 
 
 def test_chunk_segment_switch(monkeypatch):

@@ -97,6 +97,39 @@ def test_strong_decay_takes_the_exact_path():
     _check(kw)
 
 
+def test_unaligned_rows_and_gate_parameter_shapes():
+    """q, k, v and g as views whose rows do not start on 16 bytes (an odd storage offset, an odd row
+    stride), the slices of a fused projection, and the gate parameters in FLA's shapes: the same
+    result as contiguous inputs, bit for bit."""
+    kw = make_inputs(lens=[17, 97], H=2, D=128, dtype=torch.bfloat16, device="cuda")
+    want = flashkda.chunk_kda(**kw, output_final_state=True)
+
+    def shifted(x):  # the same values three elements into a fresh storage
+        y = torch.empty(x.numel() + 3, dtype=x.dtype, device=x.device)[3:].view(x.shape)
+        return y.copy_(x)
+
+    def wide_rows(x):  # rows of D + 4 elements (16-byte aligned would need D + 8)
+        y = torch.empty(*x.shape[:-1], x.shape[-1] + 4, dtype=x.dtype, device=x.device)[..., :x.shape[-1]]
+        return y.copy_(x)
+
+    dt_bias = kw["dt_bias"].view(2, 128)  # [HV, K]
+    fused = torch.stack([kw["q"], kw["k"], kw["v"]], dim=2)  # [B, T, 3, H, D]: aligned rows, kept as views
+    variants = {
+        "shifted": {n: shifted(kw[n]) for n in "qkvg"},
+        "wide rows": {n: wide_rows(kw[n]) for n in "qkvg"},
+        "fused qkv": dict(zip("qkv", fused.unbind(2))),
+        "gate parameters": dict(A_log=kw["A_log"].view(1, 1, -1, 1), dt_bias=dt_bias),
+        "strided gate parameter": dict(dt_bias=torch.empty(128, 2, device="cuda").t().copy_(dt_bias)),
+    }
+    assert variants["shifted"]["q"].data_ptr() % 16 != 0 and variants["wide rows"]["q"].stride(2) % 8 != 0
+    assert not variants["strided gate parameter"]["dt_bias"].is_contiguous()
+    for name, changes in variants.items():
+        _poison_allocator()
+        got = flashkda.chunk_kda(**{**kw, **changes}, output_final_state=True)
+        for a, b, what in zip(got, want, ("output", "final state")):
+            assert torch.equal(a, b), f"{name}: {what} differs from the contiguous call"
+
+
 @pytest.mark.parametrize("family", ["sm80", "sm90"])
 def test_issue_accuracy_case(family):
     """varlen [700, 1348], H = 4, raw g ~ N(0, 2), dt_bias ~ N(0, 1): output <= 4.5e-3, state <= 3.5e-3,
