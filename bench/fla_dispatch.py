@@ -13,8 +13,8 @@ Each figure is host µs per call: 200 eager calls issued back to back without sy
 work queues; common.host_overhead_us), the best of 5 such rounds. "Through FLA" is FLA's dispatched
 ``fused_recurrent_kda_fwd``; "through FLA" minus "direct" is what the registry path costs (bound
 cases.FLA_DISPATCH_EXTRA_US). The adapter (the backend's implementation, which FLA calls without a
-verifier) is timed alone beside it; "through FLA" minus the adapter is FLA's dispatcher. For ``model``, FLA's public ``fused_recurrent_kda`` (what the layer calls) is timed
-too: what it adds over the dispatched function is FLA's wrapper (``input_guard``: contiguity and
+verifier) is timed alone beside it; "through FLA" minus the adapter is FLA's dispatcher. For
+``model``, FLA's public ``fused_recurrent_kda`` (what the layer calls) is timed too: what it adds over the dispatched function is FLA's wrapper (``input_guard``: contiguity and
 device context), paid with or without a backend. FLA alone (its Triton kernel, backend off) is
 printed for scale.
 
@@ -121,8 +121,8 @@ def main():
 
         with open(args.json, "w") as f:
             json.dump(common.RESULTS, f, indent=1)
-    print(f"\nhost µs per call | direct | through FLA | extra (≤ {FLA_DISPATCH_EXTRA_US:g}) | FLA's dispatcher | adapter "
-          "| FLA's public wrapper | FLA alone")
+    print(f"\nhost µs per call | direct | through FLA | extra (≤ {FLA_DISPATCH_EXTRA_US:g}) | FLA's dispatcher "
+          "| adapter | FLA's public wrapper | FLA alone")
     for case, direct, through, extra, dispatcher, adapter, wrapper, fla_alone in rows:
         met = "met" if extra <= FLA_DISPATCH_EXTRA_US else "MISSED"
         wrapper = "—" if wrapper is None else f"{wrapper:.2f}"

@@ -12,8 +12,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
 # | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, or with AB_LIBRARY=1
 # bench/harness/ab_library.sh on whole-library variants (DECODE=1: decode too; HOST=1: the eager
-# decode host path), PREPARE_CLOCKS=1 the tree's phase clocks; with AB_APPLY=one of them, that patch applied to the tree, then the
-# chunk tests, the sanitizers and prefill_quick)
+# host paths), PREPARE_CLOCKS=1 the tree's phase clocks; with AB_APPLY=one of them, that patch
+# applied to the tree, then the chunk tests, the sanitizers and prefill_quick)
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole

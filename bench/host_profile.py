@@ -1,6 +1,7 @@
-"""Where the host time of one eager decode call, and of one small prefill call, goes: bench/test_decode.py's case at N = 1 (H = 32,
-K = V = 128, bf16 q/k/v/g/beta, fp32 V-first pool of N + 8 slots, int32 slot indices, lower-bound
-gate -5 with A_log/dt_bias, l2norm and beta sigmoid in the kernel, out= given).
+"""Where the host time of one eager decode call, and of one small prefill call, goes. The decode
+call: bench/test_decode.py's case at N = 1 (H = 32, K = V = 128, bf16 q/k/v/g/beta, fp32 V-first
+pool of N + 8 slots, int32 slot indices, lower-bound gate -5 with A_log/dt_bias, l2norm and beta
+sigmoid in the kernel, out= given).
 
 On a CUDA device: host µs per call, from 200 eager calls issued back to back without
 synchronising (fewer than the launch queue holds, so the GPU's pace does not show), for the whole

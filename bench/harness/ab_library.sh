@@ -9,9 +9,10 @@
 #   bash bench/harness/ab_library.sh [variant.patch ...]
 # DECODE=1 also times the decode kernels of each tree (bench/diagnose.py --no-fla: CUDA-graph kernel
 # time per call, fp32 pools at every N and a bf16 pool, default and sm_80 families) for a change
-# that reaches them. HOST=1 also runs bench/host_profile.py in each tree (host µs of the eager decode
-# call and of its parts, and its CUDA-event time) for a change to the eager path. ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be importable for the builds
-# (PYTHONPATH), as for any build of the extension.
+# that reaches them. HOST=1 also runs bench/host_profile.py in each tree (host µs of an eager decode
+# call and of a small prefill call, their parts, and their CUDA-event times) for a change to an
+# eager path. ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be importable
+# for the builds (PYTHONPATH), as for any build of the extension.
 set -uo pipefail
 rows=${ROWS:-varlen_1024x8_H96,fixed_8k_H96,fixed_32k_H8,fixed_8k_H64}
 # Every tree, the checked-out one ("base") included, is a fresh copy under /tmp/ab_library, built
