@@ -8,7 +8,8 @@ synchronising (fewer than the launch queue holds, so the GPU's pace does not sho
 call, its parts and the other ways in; then the CUDA-event time of one eager call, which includes
 the time the GPU waits for the host (the decode benchmark's N = 1 figure). Then the same for one
 eager prefill call, bench/test_prefill.py's chunk_kda at T = 1024, H = 16 (the smallest point of its
-T sweep): the whole call, its Python part and the binding alone (100 calls).
+T sweep): the whole call, its fast entry alone, and the general path with its Python part and its
+binding alone (100 calls).
 
 ``--cpu`` (no device needed): the checks alone, on CPU tensors of the same shapes. The fast entry
 runs every check and declines at the last one (the device); the public wrapper is timed with the
@@ -133,16 +134,26 @@ def main_cuda():
         flashkda.chunk_kda(**pk, **KDA_FLAGS)
 
     seen = []
-    with mock.patch.object(_ext, "chunk_fwd_eager", lambda *args: seen.append(args)):
+    with mock.patch.object(api, "_chunk_fast", lambda *args: seen.append(args) or ()):
         prefill()
-    chunk_args = seen[0]
+    fast_chunk_args = seen.pop()
+    general_chunk = [(api, "_chunk_fast", None)]
+    with patched(general_chunk), mock.patch.object(_ext, "chunk_fwd_eager", lambda *args: seen.append(args)):
+        prefill()
+    chunk_args = seen.pop()
+    answer = _ext.chunk_fast(*fast_chunk_args)
+    assert isinstance(answer, tuple), f"the prefill call must take the fast entry, it answered {answer!r}"
     # 100 calls: two launches each, well inside the launch queue
     measure([
         (prefill_name, prefill, []),
-        ("  Python part (binding stubbed)", prefill, [(_ext, "chunk_fwd_eager", lambda *args: None)]),
+        ("  fast entry _C.chunk", lambda: _ext.chunk_fast(*fast_chunk_args), []),
+        ("general path: whole call (fast entry off)", prefill, general_chunk),
+        ("  Python part (binding stubbed)", prefill, general_chunk + [(_ext, "chunk_fwd_eager", lambda *args: None)]),
         ("  binding _C.chunk_fwd (prepared arguments)", lambda: _ext.chunk_fwd_eager(*chunk_args), []),
     ], lambda fn: host_overhead_us(fn, calls=100))
-    report(prefill_name, cuda_median_ms(prefill, calls=100) * 1e3, "CUDA-event µs")
+    for name, patches in ((prefill_name, []), ("general path (fast entry off)", general_chunk)):
+        with patched(patches):
+            report(name, cuda_median_ms(prefill, calls=100) * 1e3, "CUDA-event µs")
 
 
 def main_cpu():
@@ -168,10 +179,19 @@ def main_cpu():
          [(api, "_fast", None), (api, "_kernel_unsupported", lambda *args: None),
           (_ext, "recurrent_fwd_eager", lambda *args: None)]),
         ("  of which the slot range check (CPU indices only)", lambda: int(kw["ssm_state_indices"].max()), []),
-        (f"chunk_kda T = {PREFILL_T}, H = {PREFILL_H}: kernel dispatch forced, binding stubbed",
+        (f"chunk_kda T = {PREFILL_T}, H = {PREFILL_H}: general path, kernel dispatch forced, binding stubbed",
          lambda: flashkda.chunk_kda(**pk, **KDA_FLAGS),
-         [(api, "_kernel_unsupported", lambda *args: None), (_ext, "chunk_fwd_eager", lambda *args: None)]),
+         [(api, "_chunk_fast", None), (api, "_kernel_unsupported", lambda *args: None),
+          (_ext, "chunk_fwd_eager", lambda *args: None)]),
     ]
+    if _ext.HAS_EXTENSION:
+        ca = []
+        with mock.patch.object(api, "_chunk_fast", lambda *args: ca.append(args) or ()):
+            flashkda.chunk_kda(**pk, **KDA_FLAGS)
+        answer = _ext.chunk_fast(*ca[0])
+        assert answer == "q: not on a CUDA device", f"a check before the device one failed: {answer!r}"
+        rows.append((f"chunk_kda T = {PREFILL_T}, H = {PREFILL_H}: fast entry _C.chunk, declines at the device",
+                     lambda: _ext.chunk_fast(*ca[0]), []))
     measure(rows, cpu_per_call_us)
 
 

@@ -10,6 +10,8 @@
 // * `recurrent_fwd` (the registered op, and the same function unboxed for eager calls): the
 //   general path, after flashkda/api.py validated and prepared the arguments; its checks here are
 //   a safety net against memory errors.
+// The chunked forward has the same two: `chunk` (the eager fast path of chunk_kda and
+// chunk_gated_delta_rule, without states at chunk starts) and `chunk_fwd`.
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -325,6 +327,13 @@ enum Arg : Py_ssize_t {
   kScalarGate, kNumArgs
 };
 
+// Positional arguments of chunk: those of fused_recurrent up to cu_seqlens (the token arguments
+// both entries check alike), then the prefill's own. The signature in chunk_def's doc names them.
+enum ChunkArg : Py_ssize_t {
+  kCuSeqlensCpu = kCuSeqlens + 1, kChunkSlotIndices, kHasInitialState, kValueSplit, kSegmentChunks,
+  kChunkScalarGate, kNumChunkArgs
+};
+
 // The reason of the last check: a call that gets it passed every other one.
 constexpr const char* kNotCuda = "q: not on a CUDA device";
 
@@ -366,17 +375,18 @@ bool as_number(PyObject* o, double* value) {
 
 // One call's arguments, checked.
 struct Call {
-  const at::Tensor *q, *k, *v, *g, *beta, *A_log, *dt_bias, *initial_state, *cu_seqlens, *indices, *accepted, *out;
+  const at::Tensor *q, *k, *v, *g, *beta, *A_log, *dt_bias, *initial_state, *cu_seqlens, *indices;
+  const at::Tensor *accepted = nullptr, *out = nullptr, *has_initial_state = nullptr;
   double scale, lower_bound = 0.0;
   GateMode gate_mode;
   bool output_final_state, l2norm, use_gate, beta_sigmoid, allow_neg_eigval, state_v_first, scalar_gate;
   int64_t N;
 };
 
-// Null when the kernel takes the call as given; else why not, naming the argument first. Every
-// rule of api._validate and api._kernel_unsupported is here, and so are the conditions under
-// which api._run_recurrent_kernel would copy an input; the general path words the errors.
-const char* check(PyObject* const* a, Call& c) {
+// The checks both entries share, on the arguments up to cu_seqlens (positions of enum Arg) and the
+// flag at `scalar_gate`: null when they pass, else why not, naming the argument first. Sets every
+// field of `c` up to N.
+const char* check_tokens(PyObject* const* a, Py_ssize_t scalar_gate, Call& c) {
   struct {
     Arg arg;
     const at::Tensor** tensor;
@@ -389,7 +399,7 @@ const char* check(PyObject* const* a, Call& c) {
   for (const auto& t : tensors)
     if ((*t.tensor = plain_tensor(a[t.arg])) == nullptr) return t.why;
   struct {
-    Arg arg;
+    Py_ssize_t arg;
     bool* value;
     const char* why;
   } const flags[] = {{kOutputFinalState, &c.output_final_state, "output_final_state: not True or False"},
@@ -398,7 +408,7 @@ const char* check(PyObject* const* a, Call& c) {
                      {kBetaSigmoid, &c.beta_sigmoid, "use_beta_sigmoid_in_kernel: not True or False"},
                      {kAllowNegEigval, &c.allow_neg_eigval, "allow_neg_eigval: not True or False"},
                      {kStateVFirst, &c.state_v_first, "state_v_first: not True or False"},
-                     {kScalarGate, &c.scalar_gate, "scalar_gate: not True or False"}};
+                     {scalar_gate, &c.scalar_gate, "scalar_gate: not True or False"}};
   for (const auto& f : flags)
     if (!as_flag(a[f.arg], f.value)) return f.why;
 
@@ -463,7 +473,38 @@ const char* check(PyObject* const* a, Call& c) {
       return "cu_seqlens: not a contiguous int32/int64 [N + 1] beside q with B == 1";
     c.N = t->size(0) - 1;
   }
+  return nullptr;
+}
 
+// initial_state, when given: a contiguous, 16-byte aligned float32/bfloat16 [N, HV, K, V] beside q,
+// or the slot pool [slots, HV, K, V] when slot indices come with it (K == V in both layouts here).
+const char* check_initial_state(const Call& c) {
+  const at::Tensor* s = c.initial_state;
+  if (s == nullptr) return nullptr;
+  const int64_t HV = c.v->size(2), K = c.q->size(3);
+  if ((s->scalar_type() != at::kFloat && s->scalar_type() != at::kBFloat16) || s->device() != c.q->device() ||
+      s->dim() != 4 || s->size(1) != HV || s->size(2) != K || s->size(3) != K ||
+      (c.indices == nullptr && s->size(0) != c.N) || !s->is_contiguous())
+    return "initial_state: not a contiguous float32/bfloat16 [N or slots, HV, K, V] beside q";
+  if (reinterpret_cast<uintptr_t>(s->data_ptr()) % 16 != 0) return "initial_state: not 16-byte aligned";
+  return nullptr;
+}
+
+// The last checks of both entries: a CUDA device this build has kernels for.
+const char* check_device(const at::Tensor& q) {
+  if (!q.is_cuda()) return kNotCuda;
+  if (kernel_image_error(q.get_device()) != nullptr) return "q: on a GPU without a kernel image of this build";
+  return nullptr;
+}
+
+// Null when the kernel takes the call as given; else why not, naming the argument first. Every
+// rule of api._validate and api._kernel_unsupported is here, and so are the conditions under
+// which api._run_recurrent_kernel would copy an input; the general path words the errors.
+const char* check(PyObject* const* a, Call& c) {
+  if (const char* why = check_tokens(a, kScalarGate, c)) return why;
+  const at::Tensor& q = *c.q;
+  const at::Device dev = q.device();
+  const int64_t T = q.size(1);
   if (!optional_tensor(a[kInitialState], &c.initial_state)) return "initial_state: not a plain strided tensor";
   if (!optional_tensor(a[kSlotIndices], &c.indices)) return "ssm_state_indices: not a plain strided tensor";
   if (!optional_tensor(a[kAcceptedTokens], &c.accepted)) return "num_accepted_tokens: not a plain strided tensor";
@@ -481,28 +522,34 @@ const char* check(PyObject* const* a, Call& c) {
   } else if (c.accepted != nullptr) {
     return "num_accepted_tokens: without ssm_state_indices";
   }
-  if (const at::Tensor* s = c.initial_state) {
-    // K == V here, so both layouts are [slots, HV, K, K].
-    if ((s->scalar_type() != at::kFloat && s->scalar_type() != at::kBFloat16) || s->device() != dev ||
-        s->dim() != 4 || s->size(1) != HV || s->size(2) != K || s->size(3) != K ||
-        (c.indices == nullptr && s->size(0) != c.N) || !s->is_contiguous())
-      return "initial_state: not a contiguous float32/bfloat16 [N or slots, HV, K, V] beside q";
-    if (reinterpret_cast<uintptr_t>(s->data_ptr()) % 16 != 0) return "initial_state: not 16-byte aligned";
-  }
+  if (const char* why = check_initial_state(c)) return why;
 
   if (!optional_tensor(a[kOut], &c.out)) return "out: not a plain strided tensor";
   if (const at::Tensor* o = c.out) {
-    if (o->sizes() != v.sizes() || o->scalar_type() != elem || o->device() != dev || !o->is_contiguous())
+    if (o->sizes() != c.v->sizes() || o->scalar_type() != q.scalar_type() || o->device() != dev ||
+        !o->is_contiguous())
       return "out: not a contiguous tensor like v";
   }
-  if (!q.is_cuda()) return kNotCuda;
-  if (kernel_image_error(q.get_device()) != nullptr) return "q: on a GPU without a kernel image of this build";
-  return nullptr;
+  return check_device(q);
 }
 
 PyObject* new_ref(PyObject* o) {
   Py_INCREF(o);
   return o;
+}
+
+// The tuple (first, second), taking over both references; null with the Python error set when
+// either is null (a failed wrap) or the tuple cannot be made.
+PyObject* pair(PyObject* first, PyObject* second) {
+  PyObject* result = first != nullptr && second != nullptr ? PyTuple_New(2) : nullptr;
+  if (result == nullptr) {
+    Py_XDECREF(first);
+    Py_XDECREF(second);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(result, 0, first);
+  PyTuple_SET_ITEM(result, 1, second);
+  return result;
 }
 
 // The arguments of fused_recurrent, checked: null when they cannot be
@@ -542,17 +589,10 @@ PyObject* fused_recurrent(PyObject* /*module*/, PyObject* const* args, Py_ssize_
                      serving ? c.initial_state : new_state ? &state_new : nullptr, c.indices, c.accepted);
     launch_recurrent(p, q.scalar_type(), q.get_device());
 
-    PyObject* result = PyTuple_New(2);
-    if (result == nullptr) return nullptr;
-    PyTuple_SET_ITEM(result, 0, c.out != nullptr ? new_ref(args[kOut]) : THPVariable_Wrap(std::move(o_new)));
-    PyTuple_SET_ITEM(result, 1, serving     ? new_ref(args[kInitialState])
-                                : new_state ? THPVariable_Wrap(std::move(state_new))
-                                            : new_ref(Py_None));
-    if (PyTuple_GET_ITEM(result, 0) == nullptr || PyTuple_GET_ITEM(result, 1) == nullptr) {
-      Py_DECREF(result);
-      return nullptr;
-    }
-    return result;
+    return pair(c.out != nullptr ? new_ref(args[kOut]) : THPVariable_Wrap(std::move(o_new)),
+                serving     ? new_ref(args[kInitialState])
+                : new_state ? THPVariable_Wrap(std::move(state_new))
+                            : new_ref(Py_None));
   } catch (...) {
     torch::translate_exception_to_python(std::current_exception());
     return nullptr;
@@ -766,6 +806,147 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked kernel launch failed: ", cudaGetErrorString(err));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Eager fast path of chunk_kda / chunk_gated_delta_rule.
+// ---------------------------------------------------------------------------------------------
+
+namespace fast {
+
+constexpr const char* kChunkSmem = "q: on a GPU with too little shared memory per block for the chunked kernels";
+
+// Why `device` cannot run the chunked kernels (less shared memory per block than they ask for:
+// sm_86, sm_89), or nullptr; asked once per device. A failed query answers nullptr, so that the
+// kernels launch and report the error.
+const char* chunk_smem_error(int device) {
+  static std::atomic<int> cached[kMaxCachedDevices] = {};  // 0: not asked; 1: enough; 2: too little
+  const bool cacheable = device_cacheable(device);
+  if (cacheable) {
+    const int known = cached[device].load(std::memory_order_relaxed);
+    if (known > 0) return known == 2 ? kChunkSmem : nullptr;
+  }
+  int have = 0;
+  if (cudaDeviceGetAttribute(&have, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  const bool enough = have >= chunk_smem_bytes();
+  if (cacheable) cached[device].store(enough ? 1 : 2, std::memory_order_relaxed);
+  return enough ? nullptr : kChunkSmem;
+}
+
+// A Python int (exactly; the caller passes flashkda's own config values).
+bool as_int(PyObject* o, int64_t* value) {
+  if (!PyLong_CheckExact(o)) return false;
+  *value = PyLong_AsLongLong(o);
+  if (*value == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+// api._check_offsets on a host copy of cu_seqlens: N + 1 entries from 0 to T, non-decreasing.
+template <typename Index>
+bool offsets_valid(const Index* offsets, int64_t N, int64_t T) {
+  if (offsets[0] != 0 || offsets[N] != T) return false;
+  for (int64_t n = 0; n < N; ++n)
+    if (offsets[n + 1] < offsets[n]) return false;
+  return true;
+}
+
+// Null when the chunked kernels take the call as given; else why not, naming the argument first.
+// The rules of api._validate, api._kernel_unsupported and api._chunk_kernel_unsupported for the
+// calls that reach this entry (no states at chunk starts; flashkda/api.py sends those the general
+// way), and the conditions under which api._chunk would copy an input or run another kernel.
+const char* check_chunk(PyObject* const* a, Call& c, int64_t* value_split, int64_t* segment_chunks) {
+  if (const char* why = check_tokens(a, kChunkScalarGate, c)) return why;
+  const at::Tensor& q = *c.q;
+  const at::Device dev = q.device();
+  if (q.size(3) != chunk::kHeadDim) return "v: head dims without a chunked kernel";
+  if (q.scalar_type() != at::kBFloat16 && q.scalar_type() != at::kHalf)
+    return "q: dtype without a chunked kernel (bfloat16, float16)";
+  if (c.cu_seqlens != nullptr && a[kCuSeqlensCpu] != Py_None) {
+    const at::Tensor* host = plain_tensor(a[kCuSeqlensCpu]);
+    if (host == nullptr || !host->is_cpu() || !index_elem(host->scalar_type()) || host->dim() != 1 ||
+        host->size(0) != c.N + 1 || !host->is_contiguous())
+      return "cu_seqlens_cpu: not a contiguous int32/int64 CPU tensor of N + 1 entries";
+    const bool valid = host->scalar_type() == at::kInt
+                           ? offsets_valid(host->data_ptr<int32_t>(), c.N, q.size(1))
+                           : offsets_valid(host->data_ptr<int64_t>(), c.N, q.size(1));
+    if (!valid) return "cu_seqlens_cpu: not offsets from 0 to T, non-decreasing";
+  }
+  if (!optional_tensor(a[kInitialState], &c.initial_state)) return "initial_state: not a plain strided tensor";
+  if (!optional_tensor(a[kChunkSlotIndices], &c.indices)) return "ssm_state_indices: not a plain strided tensor";
+  if (!optional_tensor(a[kHasInitialState], &c.has_initial_state)) return "has_initial_state: not a plain strided tensor";
+  if (const at::Tensor* t = c.indices) {
+    if (c.initial_state == nullptr) return "ssm_state_indices: without initial_state";
+    if (!index_elem(t->scalar_type()) || t->device() != dev || t->dim() != 1 || t->size(0) != c.N ||
+        !t->is_contiguous())
+      return "ssm_state_indices: not a contiguous int32/int64 [N] beside q";
+  }
+  if (const at::Tensor* t = c.has_initial_state) {
+    if (c.indices == nullptr) return "has_initial_state: without ssm_state_indices";
+    if (t->scalar_type() != at::kBool || t->device() != dev || t->dim() != 1 || t->size(0) != c.N ||
+        !t->is_contiguous())
+      return "has_initial_state: not a contiguous bool [N] beside q";
+  }
+  if (const char* why = check_initial_state(c)) return why;
+  if (!as_int(a[kValueSplit], value_split)) return "value_split: not an int";
+  if (!as_int(a[kSegmentChunks], segment_chunks)) return "segment_chunks: not an int";
+  if (const char* why = check_device(q)) return why;
+  return chunk_smem_error(q.get_device());
+}
+
+std::optional<at::Tensor> optional_of(const at::Tensor* t) {
+  return t != nullptr ? std::optional<at::Tensor>(*t) : std::nullopt;
+}
+
+// The module function chunk (signature and doc: chunk_def), as fused_recurrent: returns (o,
+// final_state) after launching the chunked kernels, or a str saying why the call needs the general
+// path. A malformed value_split or segment_chunks raises from chunk_fwd as on the general path.
+PyObject* chunk(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    if (nargs != kNumChunkArgs) {
+      PyErr_Format(PyExc_TypeError, "flashkda: chunk takes %d positional arguments, got %zd", int(kNumChunkArgs),
+                   nargs);
+      return nullptr;
+    }
+    Call c;
+    int64_t value_split = 0, segment_chunks = 0;
+    if (const char* why = check_chunk(args, c, &value_split, &segment_chunks)) return PyUnicode_FromString(why);
+
+    const at::Tensor& q = *c.q;
+    const bool serving = c.indices != nullptr;
+    const bool new_state = !serving && c.output_final_state;
+    at::Tensor o = at::empty(c.v->sizes(), c.v->options());
+    at::Tensor state_new;
+    if (new_state) state_new = at::empty({c.N, c.v->size(2), q.size(3), q.size(3)}, q.options().dtype(at::kFloat));
+    chunk_fwd(q, *c.k, *c.v, *c.g, *c.beta, optional_of(c.A_log), optional_of(c.dt_bias), optional_of(c.cu_seqlens),
+              serving ? std::nullopt : optional_of(c.initial_state),
+              serving ? optional_of(c.initial_state) : optional_of(new_state ? &state_new : nullptr), o, c.scale,
+              int64_t(c.gate_mode), c.lower_bound, c.l2norm, c.beta_sigmoid, c.allow_neg_eigval, c.state_v_first,
+              value_split, segment_chunks, std::nullopt, std::nullopt, optional_of(c.indices),
+              optional_of(c.has_initial_state));
+    return pair(THPVariable_Wrap(std::move(o)), serving     ? new_ref(args[kInitialState])
+                                                : new_state ? THPVariable_Wrap(std::move(state_new))
+                                                            : new_ref(Py_None));
+  } catch (...) {
+    torch::translate_exception_to_python(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyMethodDef chunk_def = {
+    "chunk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&chunk)), METH_FASTCALL,
+    "chunk(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, "
+    "use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, "
+    "cu_seqlens_cpu, ssm_state_indices, has_initial_state, value_split, segment_chunks, scalar_gate, /)\n--\n\n"
+    "Eager fast path of flashkda.chunk_kda (scalar_gate=False) and chunk_gated_delta_rule (scalar_gate=True) "
+    "without states at chunk starts; value_split and segment_chunks as chunk_fwd takes them: returns "
+    "(o, final_state) after launching the kernels, or a str saying why the call needs the general path."};
+
+}  // namespace fast
+
 }  // namespace
 }  // namespace flashkda
 
@@ -806,4 +987,7 @@ PYBIND11_MODULE(_C, m) {
       PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();
   m.add_object("fused_recurrent", pybind11::reinterpret_steal<pybind11::object>(fused_recurrent));
+  PyObject* chunk = PyCFunction_NewEx(&flashkda::fast::chunk_def, nullptr, m.attr("__name__").ptr());
+  if (chunk == nullptr) throw pybind11::error_already_set();
+  m.add_object("chunk", pybind11::reinterpret_steal<pybind11::object>(chunk));
 }

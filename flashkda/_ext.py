@@ -78,7 +78,8 @@ config = Config.from_env()
 try:
     from flashkda import _C  # noqa: F401  (registers torch.ops.flashkda)
 
-    fused_recurrent_fast = _C.fused_recurrent  # a build older than this package lacks it: rebuild
+    fused_recurrent_fast = _C.fused_recurrent  # a build older than this package lacks these: rebuild
+    chunk_fast = _C.chunk
     HAS_EXTENSION = True
     EXTENSION_ERROR = None
 except (ImportError, AttributeError) as e:  # pure-Python install, a build for another torch, a stale build

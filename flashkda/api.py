@@ -5,9 +5,9 @@ then runs a CUDA kernel when the extension is present and the inputs are support
 PyTorch reference (:mod:`flashkda.reference`) otherwise. The reason for every fallback is logged at
 debug level on the ``flashkda`` logger. The CUDA path never synchronises with the device.
 
-Eager CUDA calls of the ``fused_recurrent_*`` functions (decode, where the host time of a call
-matters as much as the kernel's) first try one C++ entry point that checks every argument and
-launches; see :data:`_fast`.
+Eager CUDA calls first try one C++ entry point that checks every argument and launches (the host
+time of a decode step, or of a short prefill, matters as much as the kernels'): see :data:`_fast`
+and :data:`_chunk_fast`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,13 @@ GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = 0, 1, 2
 #: errors, copies strided inputs or runs the reference. Compiled code (it needs the registered
 #: op) and ``FLASHKDA_FORCE_REFERENCE`` / ``FLASHKDA_DEBUG`` always take the general path.
 _fast = _ext.fused_recurrent_fast if _ext.HAS_EXTENSION else None
+#: ``flashkda._C.chunk`` (None without the extension), the same for ``chunk_kda`` and
+#: ``chunk_gated_delta_rule``: the tensor and gate arguments as :data:`_fast` takes them up to
+#: ``cu_seqlens``, then ``cu_seqlens_cpu``, ``ssm_state_indices``, ``has_initial_state``, the
+#: chunked kernels' ``value_split`` and ``segment_chunks`` (``_ext.config``) and ``scalar_gate``.
+#: It adds the rules of :func:`_chunk_kernel_unsupported`. Calls with FLA's options that need
+#: checking, or with states at chunk starts, take the general path (:func:`_chunk`) at once.
+_chunk_fast = _ext.chunk_fast if _ext.HAS_EXTENSION else None
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -427,6 +434,16 @@ def _chunk_state_dest(fn: str, p: _Problem, q, k, cu_seqlens, cu_seqlens_cpu, st
     return pool, slots, None
 
 
+def _plain_chunk_call(cp_context, use_graph, transpose_state_layout, return_intermediate_states, checkpoint_pool,
+                      checkpoint_slots) -> bool:
+    """Whether a chunked call may try :data:`_chunk_fast`: eager, no switch asking for the general
+    path, and none of the options that it handles (FLA's ``cp_context`` and ``use_graph``, the
+    deprecated layout alias, states at chunk starts)."""
+    return (cp_context is None and not use_graph and transpose_state_layout is None and not return_intermediate_states
+            and checkpoint_pool is None and checkpoint_slots is None
+            and not (_ext.config.force_reference or _ext.config.debug) and not _is_compiling())
+
+
 def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first,
            cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, return_intermediate_states=False, checkpoint_pool=None,
@@ -532,6 +549,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               return_intermediate_states=False, cp_context=None, use_graph=False, max_num_seqs=None,
               transpose_state_layout=None, checkpoint_pool=None, checkpoint_slots=None, ssm_state_indices=None,
               has_initial_state=None):
+    if _chunk_fast is not None and chunk_size in _KDA_CHUNK_SIZES and _plain_chunk_call(
+            cp_context, use_graph, transpose_state_layout, return_intermediate_states, checkpoint_pool,
+            checkpoint_slots):
+        r = _chunk_fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                        lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, ssm_state_indices, has_initial_state,
+                        _ext.config.chunk_value_split, _ext.config.chunk_segment, False)
+        if r.__class__ is tuple:
+            return r
+        log.debug("flashkda: chunk_kda takes the general path: %s", r)
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
     _fla_chunk_options("chunk_kda", _KDA_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens)
     return _chunk("chunk_kda", False, q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -547,6 +574,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                            disable_recompute=False, return_intermediate_states=False, cp_context=None,
                            use_graph=False, max_num_seqs=None, chunk_indices=None, transpose_state_layout=None,
                            checkpoint_pool=None, checkpoint_slots=None, ssm_state_indices=None, has_initial_state=None):
+    if _chunk_fast is not None and chunk_size in _GDN_CHUNK_SIZES and _plain_chunk_call(
+            cp_context, use_graph, transpose_state_layout, return_intermediate_states, checkpoint_pool,
+            checkpoint_slots):
+        r = _chunk_fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                        lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, ssm_state_indices, has_initial_state,
+                        _ext.config.chunk_value_split, _ext.config.chunk_segment, True)
+        if r.__class__ is tuple:
+            return r
+        log.debug("flashkda: chunk_gated_delta_rule takes the general path: %s", r)
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
     _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs,
                        cu_seqlens)

@@ -119,16 +119,18 @@ def public_fn(kind: str, gdn: bool):
 kernel_family = _ext.kernel_family
 
 
-def fast_spy(monkeypatch) -> list:
-    """Records the answers of the eager fast entry (flashkda._C.fused_recurrent) to the calls made
-    after this: a tuple when it launched, else the str saying why the call took the general path."""
+def fast_spy(monkeypatch, entry: str = "_fast") -> list:
+    """Records the answers of an eager fast entry (``api._fast``: flashkda._C.fused_recurrent, or
+    ``api._chunk_fast``: flashkda._C.chunk) to the calls made after this: a tuple when it launched,
+    else the str saying why the call took the general path."""
     from flashkda import api
 
     answers = []
+    real = {"_fast": _ext.fused_recurrent_fast, "_chunk_fast": _ext.chunk_fast}[entry]
 
     def spy(*args):
-        answers.append(_ext.fused_recurrent_fast(*args))
+        answers.append(real(*args))
         return answers[-1]
 
-    monkeypatch.setattr(api, "_fast", spy)
+    monkeypatch.setattr(api, entry, spy)
     return answers

@@ -190,9 +190,9 @@ PASSED_ALL_BUT_DEVICE = "q: not on a CUDA device"
 VALUE_ONLY = {"cu_seqlens": ValueError, "pool has 4 slots": ValueError}
 
 
-def _fast_answers(monkeypatch, fn, kw):
+def _fast_answers(monkeypatch, fn, kw, entry="_fast"):
     """What the fast entry answers to fn(**kw), which then goes on along the general path."""
-    answers = fast_spy(monkeypatch)
+    answers = fast_spy(monkeypatch, entry)
     try:
         fn(**kw)
     except (TypeError, ValueError):
@@ -326,6 +326,118 @@ def test_fast_entry_is_not_tried_under_switches_or_extra_kwargs(monkeypatch, swi
         monkeypatch.setattr(_ext.config, switch, True)
     with pytest.warns(DeprecationWarning) if switch == "kwargs" else contextlib.nullcontext():
         assert _fast_answers(monkeypatch, flashkda.fused_recurrent_kda, kw) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The eager fast entry of the chunked functions (flashkda._C.chunk), on CPU tensors likewise
+# --------------------------------------------------------------------------------------------
+
+
+def _prefill(gdn=False, dtype=torch.bfloat16, **extra):
+    """A varlen prefill the chunked kernels take as given (but on the CPU)."""
+    kw = make_inputs(lens=[5, 0, 70], H=2, HV=4, D=128, dtype=dtype, gdn=gdn, state_v_first=True)
+    kw.update(output_final_state=True, **extra)
+    return kw
+
+
+def _prefill_serving(**extra):
+    kw = _prefill(initial_state=torch.zeros(6, 4, 128, 128), ssm_state_indices=torch.tensor([4, -1, 0]),
+                  has_initial_state=torch.tensor([True, False, True]))
+    kw.update(extra)
+    return kw
+
+
+def _chunk_fast_answers(monkeypatch, kw, gdn=False):
+    fn = flashkda.chunk_gated_delta_rule if gdn else flashkda.chunk_kda
+    return _fast_answers(monkeypatch, fn, kw, entry="_chunk_fast")
+
+
+@needs_extension
+def test_chunk_fast_entry_takes_the_token_arguments_as_the_decode_entry():
+    import inspect
+
+    names = list(inspect.signature(_ext.chunk_fast).parameters)
+    decode = list(inspect.signature(_ext.fused_recurrent_fast).parameters)
+    shared = decode[:decode.index("cu_seqlens") + 1]
+    assert names == shared + ["cu_seqlens_cpu", "ssm_state_indices", "has_initial_state", "value_split",
+                              "segment_chunks", "scalar_gate"]
+    with pytest.raises(TypeError, match="23 positional arguments"):
+        _ext.chunk_fast(1, 2)
+
+
+VALID_FOR_THE_CHUNKED_KERNELS = {
+    "varlen with states": _prefill,
+    "GDN": lambda: _prefill(gdn=True),
+    "GDN, softplus gate": lambda: _prefill(gdn=True, lower_bound=None),
+    "fp16, fixed length, K-first, no states": lambda: make_inputs(B=2, T=65, H=2, D=128, dtype=torch.float16,
+                                                                  state=False),
+    "host offsets": lambda: dict(_prefill(), cu_seqlens_cpu=torch.tensor([0, 5, 5, 75])),
+    "serving pool, has_initial_state": _prefill_serving,
+    "FLA's options that change nothing": lambda: _prefill(chunk_size=32, disable_recompute=True, safe_gate=True,
+                                                          max_num_seqs=8),
+    "odd row offsets (the binding copies)": lambda: dict(
+        _prefill(), q=torch.randn(1, 75, 2, 129).to(torch.bfloat16)[..., 1:]),
+}
+
+
+@needs_extension
+@pytest.mark.parametrize("case", VALID_FOR_THE_CHUNKED_KERNELS)
+def test_chunk_fast_entry_passes_calls_the_kernels_take(monkeypatch, case):
+    kw = VALID_FOR_THE_CHUNKED_KERNELS[case]()
+    assert _chunk_fast_answers(monkeypatch, kw, gdn=kw["g"].dim() == 3) == [PASSED_ALL_BUT_DEVICE]
+
+
+@needs_extension
+@pytest.mark.parametrize("name,exc,mutate", BAD_INPUTS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD_INPUTS)])
+def test_chunk_fast_entry_declines_bad_inputs(monkeypatch, name, exc, mutate):
+    kw = make_inputs(lens=[3, 4], H=2, HV=4, D=128, dtype=torch.bfloat16)
+    mutate(kw)
+    (answer,) = _chunk_fast_answers(monkeypatch, kw)
+    _assert_declined(answer, name, exc,
+                     lambda a: a.startswith(f"{name}:") or name in ("heads", "dtype", "batch size"))
+
+
+CHUNK_GENERAL_PATH_ONLY = [
+    # the token-by-token kernel serves these
+    ("v", lambda kw: kw.update(make_inputs(lens=[5, 0, 70], H=2, HV=4, D=64, dtype=torch.bfloat16))),
+    ("q", lambda kw: kw.update({n: kw[n].float() for n in ("q", "k", "v")})),
+    # the general path raises for these
+    ("cu_seqlens_cpu", lambda kw: kw.update(cu_seqlens_cpu=torch.tensor([0, 5, 4, 75]))),
+    ("cu_seqlens_cpu", lambda kw: kw.update(cu_seqlens_cpu=torch.tensor([0, 5, 75]))),
+    ("ssm_state_indices", lambda kw: kw.update(_prefill_serving(ssm_state_indices=torch.tensor([[4], [1], [0]])))),
+    ("has_initial_state", lambda kw: kw.update(has_initial_state=torch.tensor([True, False, True]))),
+    ("has_initial_state", lambda kw: kw.update(_prefill_serving(has_initial_state=torch.tensor([1, 0, 1])))),
+    # and copies these
+    ("ssm_state_indices", lambda kw: kw.update(_prefill_serving(ssm_state_indices=torch.tensor([4, 9, 1, 7, 0])[::2]))),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("name,mutate", CHUNK_GENERAL_PATH_ONLY,
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(CHUNK_GENERAL_PATH_ONLY)])
+def test_chunk_fast_entry_leaves_other_kernels_and_errors_to_the_general_path(monkeypatch, name, mutate):
+    kw = _prefill()
+    mutate(kw)
+    (answer,) = _chunk_fast_answers(monkeypatch, kw)
+    assert answer.startswith(f"{name}:"), answer
+
+
+@needs_extension
+@pytest.mark.parametrize("extra", [
+    dict(return_intermediate_states=True), dict(checkpoint_pool=torch.zeros(4, 4, 128, 128),
+                                                checkpoint_slots=torch.zeros(3, 2, dtype=torch.int32)),
+    dict(chunk_size=16), dict(use_graph=True), dict(cp_context=object()), "force_reference", "debug"])
+def test_chunk_fast_entry_is_not_tried_for_states_at_chunk_starts_fla_checks_or_switches(monkeypatch, extra):
+    kw = _prefill()
+    if isinstance(extra, str):
+        monkeypatch.setattr(_ext.config, extra, True)
+    else:
+        kw.update(extra)
+    try:
+        answers = _chunk_fast_answers(monkeypatch, kw)
+    except NotImplementedError:  # cp_context
+        answers = []
+    assert answers == []
 
 
 # --------------------------------------------------------------------------------------------

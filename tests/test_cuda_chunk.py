@@ -10,7 +10,8 @@ import torch
 import flashkda
 from flashkda import _ext
 
-from helpers import CHUNK_TOL, HAS_CUDA_KERNELS, kernel_family, make_inputs, public_fn, reference64, rel_err
+from helpers import (CHUNK_TOL, HAS_CUDA_KERNELS, fast_spy, kernel_family, make_inputs, public_fn, reference64,
+                     rel_err)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")]
 
@@ -216,12 +217,74 @@ def test_auto_segments(monkeypatch, shape, segmented):
 def test_smem_shortfall_runs_the_recurrent_kernel(monkeypatch):
     """A device too small for the chunked kernels (sm_86, sm_89) gets prefill from the token-by-token
     kernel: no chunked kernel launches (the spy), and the result still meets the oracle."""
+    from flashkda import api
+
     monkeypatch.setattr(_ext, "chunk_smem_shortfall", lambda index: "99 KB of shared memory per block")
+    monkeypatch.setattr(api, "_chunk_fast", None)  # the fast entry asks the device itself
     kw = make_inputs(lens=[17, 0, 130], H=2, D=128, dtype=torch.bfloat16, device="cuda")
     _, kernels = _kernels_launched(lambda: flashkda.chunk_kda(**kw, output_final_state=True))
     assert not any("chunk_" in k for k in kernels), kernels
     assert any("decode_step" in k or "recurrent" in k for k in kernels), kernels
     _check(kw)
+
+
+def _serving_prefill():
+    kw = make_inputs(lens=[70, 0, 129], H=2, HV=4, D=128, dtype=torch.bfloat16, device="cuda", state=False,
+                     state_v_first=True)
+    kw.update(initial_state=0.1 * torch.randn(9, 4, 128, 128, device="cuda"),
+              ssm_state_indices=torch.tensor([6, -1, 2], dtype=torch.int32, device="cuda"),
+              has_initial_state=torch.tensor([True, True, False], device="cuda"))
+    return kw
+
+
+CHUNK_FAST_CASES = {
+    "varlen with states, final state": lambda: dict(
+        make_inputs(lens=[17, 0, 130], H=2, HV=4, D=128, dtype=torch.bfloat16, device="cuda"), output_final_state=True),
+    "fp16, fixed length, K-first, no states": lambda: make_inputs(B=2, T=65, H=2, D=128, dtype=torch.float16,
+                                                                  device="cuda", state=False),
+    "GDN, softplus gate, host offsets": lambda: dict(
+        make_inputs(lens=[1, 97], H=2, D=128, gdn=True, gate="softplus", dtype=torch.bfloat16, device="cuda"),
+        cu_seqlens_cpu=torch.tensor([0, 1, 98]), output_final_state=True),
+    "precomputed gate, scale, bf16 state": lambda: dict(
+        make_inputs(B=1, T=200, H=2, D=128, gate="precomputed", dtype=torch.bfloat16, device="cuda",
+                    state_dtype=torch.bfloat16), scale=0.05, output_final_state=True),
+    "serving pool, has_initial_state": _serving_prefill,
+}
+
+
+@pytest.mark.parametrize("segment", [0, 2])
+@pytest.mark.parametrize("case", CHUNK_FAST_CASES)
+def test_chunk_fast_entry_matches_the_general_path(monkeypatch, case, segment):
+    """Bit for bit: the eager fast entry fills the kernels' parameters as the general path does (with
+    whole chains and with segments of two chunks, both read from the config by either path)."""
+    from flashkda import api
+
+    monkeypatch.setattr(_ext.config, "chunk_segment", segment)
+    kw = CHUNK_FAST_CASES[case]()
+    fn = flashkda.chunk_gated_delta_rule if kw["g"].dim() == 3 else flashkda.chunk_kda
+    state = kw.get("initial_state")
+    kw_general = dict(kw, initial_state=None if state is None else state.clone())
+    answers = fast_spy(monkeypatch, "_chunk_fast")
+    _poison_allocator()
+    o, s = fn(**kw)
+    assert len(answers) == 1 and isinstance(answers[0], tuple), answers
+    if kw.get("ssm_state_indices") is not None:
+        assert s is kw["initial_state"]
+    monkeypatch.setattr(api, "_chunk_fast", None)
+    _poison_allocator()
+    o_general, s_general = fn(**kw_general)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.equal(o, o_general)
+    assert (s is None) == (s_general is None)
+    if s is not None:
+        assert torch.equal(s, s_general)
+
+
+def test_chunk_fast_entry_leaves_other_head_dims_to_the_general_path(monkeypatch):
+    kw = make_inputs(lens=[17, 3], H=2, D=64, dtype=torch.bfloat16, device="cuda")
+    answers = fast_spy(monkeypatch, "_chunk_fast")
+    _check(kw)
+    assert len(answers) == 1 and answers[0].startswith("v: "), answers
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "precomputed"])

@@ -334,17 +334,20 @@ cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and flashkda'
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """flashkda kernel launches: the general path's (recurrent and chunked) and the eager fast entry's."""
+    """flashkda kernel launches: the general path's (recurrent and chunked) and the eager fast entries'."""
     calls = _counting(monkeypatch, kda_api, "_run_recurrent_kernel")
     _counting(monkeypatch, kda_api, "_run_chunk_kernel", calls)
 
-    def fast(*args):
-        answer = _ext.fused_recurrent_fast(*args)
-        if isinstance(answer, tuple):
-            calls.append("fused_recurrent_fast")
-        return answer
+    def counted(entry, name):
+        def spy(*args):
+            answer = entry(*args)
+            if isinstance(answer, tuple):
+                calls.append(name)
+            return answer
+        return spy
 
-    monkeypatch.setattr(kda_api, "_fast", fast)
+    monkeypatch.setattr(kda_api, "_fast", counted(_ext.fused_recurrent_fast, "fused_recurrent_fast"))
+    monkeypatch.setattr(kda_api, "_chunk_fast", counted(_ext.chunk_fast, "chunk_fast"))
     return calls
 
 
