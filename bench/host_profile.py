@@ -36,10 +36,11 @@ PREFILL_T, PREFILL_H = 1024, 16
 NAMES = ("q", "k", "v", "g", "beta")
 
 
-def fast_args(call):
-    """The arguments that ``call()``, a public fused_recurrent_* call, passes to the fast entry."""
+def fast_args(call, entry="_fast"):
+    """The arguments that ``call()``, a public call, passes to its fast entry (``api._fast`` for
+    fused_recurrent_*, ``api._chunk_fast`` for chunk_*)."""
     seen = []
-    with mock.patch.object(api, "_fast", lambda *args: seen.append(args) or ()):
+    with mock.patch.object(api, entry, lambda *args: seen.append(args) or ()):
         call()
     return seen[0]
 
@@ -133,11 +134,9 @@ def main_cuda():
     def prefill():
         flashkda.chunk_kda(**pk, **KDA_FLAGS)
 
-    seen = []
-    with mock.patch.object(api, "_chunk_fast", lambda *args: seen.append(args) or ()):
-        prefill()
-    fast_chunk_args = seen.pop()
+    fast_chunk_args = fast_args(prefill, "_chunk_fast")
     general_chunk = [(api, "_chunk_fast", None)]
+    seen = []
     with patched(general_chunk), mock.patch.object(_ext, "chunk_fwd_eager", lambda *args: seen.append(args)):
         prefill()
     chunk_args = seen.pop()
@@ -185,13 +184,11 @@ def main_cpu():
           (_ext, "chunk_fwd_eager", lambda *args: None)]),
     ]
     if _ext.HAS_EXTENSION:
-        ca = []
-        with mock.patch.object(api, "_chunk_fast", lambda *args: ca.append(args) or ()):
-            flashkda.chunk_kda(**pk, **KDA_FLAGS)
-        answer = _ext.chunk_fast(*ca[0])
+        ca = fast_args(lambda: flashkda.chunk_kda(**pk, **KDA_FLAGS), "_chunk_fast")
+        answer = _ext.chunk_fast(*ca)
         assert answer == "q: not on a CUDA device", f"a check before the device one failed: {answer!r}"
         rows.append((f"chunk_kda T = {PREFILL_T}, H = {PREFILL_H}: fast entry _C.chunk, declines at the device",
-                     lambda: _ext.chunk_fast(*ca[0]), []))
+                     lambda: _ext.chunk_fast(*ca), []))
     measure(rows, cpu_per_call_us)
 
 

@@ -97,16 +97,34 @@ KernelFamily kernel_family() { return static_cast<KernelFamily>(get_kernel_famil
 constexpr int kMaxCachedDevices = 64;
 bool device_cacheable(int device) { return device >= 0 && device < kMaxCachedDevices; }
 
-int num_sms(int device) {
+// cudaDeviceGetAttribute for `device`, asked once per device; 0 when the query fails (not cached).
+template <cudaDeviceAttr kAttribute>
+int device_attribute(int device) {
   static std::atomic<int> cached[kMaxCachedDevices] = {};  // 0: not asked
   if (device_cacheable(device)) {
     const int known = cached[device].load(std::memory_order_relaxed);
     if (known > 0) return known;
   }
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (device_cacheable(device)) cached[device].store(sms, std::memory_order_relaxed);
-  return sms;
+  int value = 0;
+  if (cudaDeviceGetAttribute(&value, kAttribute, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (device_cacheable(device)) cached[device].store(value, std::memory_order_relaxed);
+  return value;
+}
+
+int num_sms(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
+
+// Whether a device with `optin_bytes` of shared memory per block (opt-in limit) can run the chunked
+// kernels (not sm_86, sm_89: 99 KB).
+bool chunk_smem_fits(int64_t optin_bytes) { return optin_bytes >= chunk_smem_bytes(); }
+
+// chunk_smem_fits for Python, which asks the device through torch: the reason, or None.
+std::optional<std::string> chunk_smem_reason(int64_t optin_bytes) {
+  if (chunk_smem_fits(optin_bytes)) return std::nullopt;
+  return std::to_string(optin_bytes) + " bytes of shared memory per block (chunked kernels: " +
+         std::to_string(chunk_smem_bytes()) + ")";
 }
 
 // Why `device` cannot run this build's kernels (compute capability below kMinComputeMajor, or no
@@ -814,24 +832,11 @@ namespace fast {
 
 constexpr const char* kChunkSmem = "q: on a GPU with too little shared memory per block for the chunked kernels";
 
-// Why `device` cannot run the chunked kernels (less shared memory per block than they ask for:
-// sm_86, sm_89), or nullptr; asked once per device. A failed query answers nullptr, so that the
-// kernels launch and report the error.
+// Why `device` cannot run the chunked kernels, or nullptr; a failed query answers nullptr, so that
+// the kernels launch and report the error.
 const char* chunk_smem_error(int device) {
-  static std::atomic<int> cached[kMaxCachedDevices] = {};  // 0: not asked; 1: enough; 2: too little
-  const bool cacheable = device_cacheable(device);
-  if (cacheable) {
-    const int known = cached[device].load(std::memory_order_relaxed);
-    if (known > 0) return known == 2 ? kChunkSmem : nullptr;
-  }
-  int have = 0;
-  if (cudaDeviceGetAttribute(&have, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  const bool enough = have >= chunk_smem_bytes();
-  if (cacheable) cached[device].store(enough ? 1 : 2, std::memory_order_relaxed);
-  return enough ? nullptr : kChunkSmem;
+  const int optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device);
+  return optin > 0 && !chunk_smem_fits(optin) ? kChunkSmem : nullptr;
 }
 
 // A Python int (exactly; the caller passes flashkda's own config values).
@@ -983,6 +988,8 @@ PYBIND11_MODULE(_C, m) {
         "why CUDA device `device` cannot run this build's kernels, or None (asked once per device)");
   m.def("chunk_smem_bytes", &flashkda::chunk_smem_bytes,
         "dynamic shared memory per block (bytes) that the chunked kernels need (no CUDA call)");
+  m.def("chunk_smem_reason", &flashkda::chunk_smem_reason,
+        "why a device with this opt-in shared memory per block (bytes) cannot run the chunked kernels, or None");
   PyObject* fused_recurrent =
       PyCFunction_NewEx(&flashkda::fast::fused_recurrent_def, nullptr, m.attr("__name__").ptr());
   if (fused_recurrent == nullptr) throw pybind11::error_already_set();

@@ -149,12 +149,11 @@ if HAS_EXTENSION:
     @torch.compiler.assume_constant_result
     def chunk_smem_shortfall(index: int):
         """Why CUDA device ``index`` cannot run the chunked kernels (too little shared memory per
-        block, e.g. sm_86 / sm_89), or None; one properties query per device."""
+        block, e.g. sm_86 / sm_89), or None; one properties query per device, judged by the rule that
+        the eager fast entries apply too."""
         if index not in _chunk_smem_shortfall:
-            need = _C.chunk_smem_bytes()
-            have = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", need)
-            _chunk_smem_shortfall[index] = (None if have >= need else
-                                            f"{have} bytes of shared memory per block (chunked kernels: {need})")
+            have = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+            _chunk_smem_shortfall[index] = None if have is None else _C.chunk_smem_reason(have)
         return _chunk_smem_shortfall[index]
 
     @torch.library.register_fake("flashkda::chunk_fwd")
