@@ -50,3 +50,15 @@ def e2e_case(gate: str) -> str:
 
 def decode_case(N: int) -> str:
     return f"decode_N{N}_H{DECODE_HEADS}"
+
+# Training rows (bench/test_train.py): case -> (sequence lengths per batch row, batch rows, heads);
+# D = 128, forward + backward of o and the final state. Required on every row: fwd_bwd_ms at most
+# TRAIN_MAX_RATIO of FLA's on the same inputs, and peak memory no more than FLA's.
+TRAIN_ROWS = {
+    "train_T8k_H32": ([8192], 1, 32),
+    "train_B4xT4k_H32": ([4096], 4, 32),
+    "train_varlen8x2k_H32": ([2048] * 8, 1, 32),
+    "train_T8k_H96": ([8192], 1, 96),
+}
+TRAIN_GDN_ROW = "train_gdn_T8k_H32"
+TRAIN_MAX_RATIO = 0.6

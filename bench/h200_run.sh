@@ -16,7 +16,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # applied to the tree, then the chunk tests, the sanitizers and prefill_quick)
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
-# | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
+# | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
+# bench/test_train.py and, unless MODEL=0, bench/train_fla_model.py) | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
 # chunk_prepare, chunk_recurrence and the sm_90 decode kernel) | prefix (prefix caching: the
 # required cases of bench/test_prefill.py with the plain call and FLA's flagged call, then
@@ -139,6 +140,17 @@ if [[ $what == e2e ]]; then  # the FLA drop-in: TESTS, FLA's dispatch host cost,
   timeout 150 python3 bench/fla_dispatch.py --json "$OUT/dispatch.json" 2>&1 | grep -v -i warn | tail -4
   timeout ${E2E_LIMIT:-360} python3 bench/e2e_fla_model.py --json "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 \
     | grep -v -i warn | tail -14
+fi
+if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fwd+bwd rows, FLA's model trained
+  export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
+  timeout ${TEST_LIMIT:-300} python3 -m pytest -q ${TESTS:-tests/test_autograd.py tests/test_api.py tests/test_fla_backend.py} \
+    -m "${TEST_MARK-not slow}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider 2>&1 | tail -12
+  timeout 150 python3 bench/grad_accuracy.py --json "$OUT/grad.json" 2>&1 | grep -v -i warn
+  FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-240} python3 -m pytest -q bench/test_train.py ${TRAIN_K:+-k "$TRAIN_K"} \
+    -p no:cacheprovider --flashkda-results "$OUT/train.json" --benchmark-disable-gc 2>&1 | tail -2
+  python3 bench/report.py "$OUT/train.json" --markdown "$OUT/train_table.md" >/dev/null && cat "$OUT/train_table.md"
+  [[ ${MODEL:-1} == 1 ]] && timeout ${E2E_LIMIT:-300} python3 bench/train_fla_model.py --json "$OUT/train_model.json" \
+    ${E2E_ARGS:-} 2>&1 | grep -v -i warn | tail -6
 fi
 if [[ $what == all || $what == bench ]]; then
   # FLASHKDA_FLA_BACKEND=0: the FLA baselines must run FLA itself, not flashkda registered inside it.

@@ -14,6 +14,7 @@
 // chunk_gated_delta_rule, without states at chunk starts) and `chunk_fwd`.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -508,6 +509,15 @@ const char* check_initial_state(const Call& c) {
   return nullptr;
 }
 
+// Under autograd, inputs that require grad take the general path: the prefill records a graph
+// there, decode raises. Both entries ask once every tensor is bound.
+const char* check_no_grad(const Call& c) {
+  if (!at::GradMode::is_enabled()) return nullptr;
+  for (const at::Tensor* t : {c.q, c.k, c.v, c.g, c.beta, c.A_log, c.dt_bias, c.initial_state})
+    if (t != nullptr && t->requires_grad()) return "q: an input requires grad under autograd";
+  return nullptr;
+}
+
 // The last checks of both entries: a CUDA device this build has kernels for.
 const char* check_device(const at::Tensor& q) {
   if (!q.is_cuda()) return kNotCuda;
@@ -548,6 +558,7 @@ const char* check(PyObject* const* a, Call& c) {
         !o->is_contiguous())
       return "out: not a contiguous tensor like v";
   }
+  if (const char* why = check_no_grad(c)) return why;
   return check_device(q);
 }
 
@@ -898,6 +909,7 @@ const char* check_chunk(PyObject* const* a, Call& c, int64_t* value_split, int64
   if (const char* why = check_initial_state(c)) return why;
   if (!as_int(a[kValueSplit], value_split)) return "value_split: not an int";
   if (!as_int(a[kSegmentChunks], segment_chunks)) return "segment_chunks: not an int";
+  if (const char* why = check_no_grad(c)) return why;
   if (const char* why = check_device(q)) return why;
   return chunk_smem_error(q.get_device());
 }

@@ -20,6 +20,7 @@ import torch
 from flashkda import _constants as C
 from flashkda import _ext
 from flashkda._ext import log
+from flashkda.autograd import ChunkFunction, ChunkOptions
 from flashkda.reference import kda_reference
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -462,9 +463,16 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
             ssm_state_indices = ssm_state_indices.contiguous()
     if has_initial_state is not None:
         has_initial_state = has_initial_state.contiguous()
+    lb = lower_bound if use_gate_in_kernel else None
+    gate_params = (A_log, dt_bias) if use_gate_in_kernel else (None, None)
+    if _needs_grad(q, k, v, g, beta, initial_state, *gate_params):
+        return _chunk_with_grad(fn, p, q, k, v, g, beta, *gate_params, initial_state, output_final_state,
+                                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval, lb, state_v_first, cu_seqlens, cu_seqlens_cpu,
+                                return_intermediate_states=return_intermediate_states,
+                                checkpoint_pool=checkpoint_pool, ssm_state_indices=ssm_state_indices)
     dest, slots, h = _chunk_state_dest(fn, p, q, k, cu_seqlens, cu_seqlens_cpu, state_v_first,
                                        return_intermediate_states, checkpoint_pool, checkpoint_slots)
-    lb = lower_bound if use_gate_in_kernel else None
     reason = _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
     if reason is None:
         chunk_reason = _chunk_kernel_unsupported(p, q)
@@ -491,6 +499,41 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
     return (o, ht) if h is None else (o, ht, h)
 
 
+def _needs_grad(*tensors) -> bool:
+    """Whether autograd is enabled and one of ``tensors`` (None allowed) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _chunk_with_grad(fn, p: _Problem, q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state,
+                     l2norm, use_gate_in_kernel, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first,
+                     cu_seqlens, cu_seqlens_cpu, *, return_intermediate_states, checkpoint_pool, ssm_state_indices):
+    """A chunked call under autograd with an input that requires grad: the kernels' forward recorded
+    as :class:`flashkda.autograd.ChunkFunction`, or the reference, differentiated by autograd, where
+    the kernels do not serve the inputs. Never an output without a graph."""
+    for name, value in (("return_intermediate_states", return_intermediate_states or None),
+                        ("checkpoint_pool", checkpoint_pool), ("ssm_state_indices", ssm_state_indices)):
+        if value is not None:
+            raise ValueError(f"flashkda: {fn}: {name} is for inference (states written without a graph), but an "
+                             "input requires grad; call it under torch.no_grad() or torch.inference_mode()")
+    reason = _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
+    if reason is not None:
+        return _reference(p, reason, q, k, v, g, beta, initial_state=initial_state,
+                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm,
+                          use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=beta_sigmoid,
+                          allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
+                          state_v_first=state_v_first, cu_seqlens=cu_seqlens, core="chunk")
+    args = (p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state, l2norm, beta_sigmoid,
+            allow_neg_eigval, lower_bound, state_v_first)
+    if _chunk_kernel_unsupported(p, q) is None:
+        run = lambda: _run_chunk_kernel(*args)  # noqa: E731
+    else:  # the token-by-token kernel, as for a call without grad
+        run = lambda: _run_recurrent_kernel(*args, None, None, None)  # noqa: E731
+
+    opts = ChunkOptions(p.scale, l2norm, use_gate_in_kernel, lower_bound, beta_sigmoid, allow_neg_eigval,
+                        state_v_first, cu_seqlens, cu_seqlens_cpu)
+    return ChunkFunction.apply(run, opts, q, k, v, g, beta, A_log, dt_bias, initial_state)
+
+
 def _recurrent(fn, scalar_gate, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out):
@@ -500,6 +543,13 @@ def _recurrent(fn, scalar_gate, q, k, v, g, beta, A_log, dt_bias, scale, initial
                   allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
                   ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out)
     lb = lower_bound if use_gate_in_kernel else None
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
+                    ("A_log", A_log if use_gate_in_kernel else None),
+                    ("dt_bias", dt_bias if use_gate_in_kernel else None)):
+        if _needs_grad(t):
+            raise NotImplementedError(f"flashkda: {fn} is forward-only, but {name} requires grad under autograd; "
+                                      "train with the chunked function, or decode under torch.no_grad() or "
+                                      "torch.inference_mode()")
     reason = _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
     if reason is None:
         return _run_recurrent_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,

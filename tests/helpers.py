@@ -134,3 +134,35 @@ def fast_spy(monkeypatch, entry: str = "_fast") -> list:
 
     monkeypatch.setattr(api, entry, spy)
     return answers
+
+
+#: Tensor inputs of the chunked functions in the order ChunkFunction takes them.
+GRAD_INPUTS = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
+
+
+def grads64(kw: dict, do: torch.Tensor, dht: Optional[torch.Tensor]) -> list:
+    """Gradients of the GRAD_INPUTS of a call described by ``kw`` (None for absent ones) from fp64
+    autograd through the token-by-token recurrence, given the gradients of the output and of the
+    final state (None: the output alone)."""
+    from flashkda.reference import kda_reference
+
+    kw64 = as_fp64_cpu(kw)
+    leaves = [None if kw64.get(n) is None else kw64[n].requires_grad_() for n in GRAD_INPUTS]
+    o, ht = kda_reference(**kw64, output_final_state=True, core="recurrent")
+    outs, upstream = [o], [do.double().cpu()]
+    if dht is not None:
+        outs.append(ht)
+        upstream.append(dht.double().cpu())
+    found = iter(torch.autograd.grad(outs, [t for t in leaves if t is not None], upstream))
+    return [None if t is None else next(found) for t in leaves]
+
+
+def grads_of(fn, kw: dict, do: torch.Tensor, dht: Optional[torch.Tensor], **extra) -> list:
+    """Gradients of the GRAD_INPUTS of ``fn(**kw, **extra)`` (which returns ``(o, final_state)``),
+    each input a fresh leaf that requires grad."""
+    leaves = [None if kw.get(n) is None else kw[n].detach().clone().requires_grad_() for n in GRAD_INPUTS]
+    call = dict(kw, **{n: t for n, t in zip(GRAD_INPUTS, leaves) if t is not None})
+    o, ht = fn(**call, **extra)
+    outs, upstream = ([o, ht], [do, dht]) if dht is not None else ([o], [do])
+    found = iter(torch.autograd.grad(outs, [t for t in leaves if t is not None], upstream))
+    return [None if t is None else next(found) for t in leaves]

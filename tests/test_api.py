@@ -236,7 +236,7 @@ VALID_FOR_THE_KERNEL = {
     "decode K-first, dt_bias [HV, K], int scale": lambda: dict(_decode(state_v_first=False), scale=1,
                                                                    dt_bias=torch.zeros(4, 64)),
     "A_log as a Parameter, softplus gate": lambda: dict(_decode(), lower_bound=None,
-                                                        A_log=torch.nn.Parameter(torch.zeros(4))),
+                                                        A_log=torch.nn.Parameter(torch.zeros(4), requires_grad=False)),
     "precomputed gate": lambda: dict(_decode(), use_gate_in_kernel=False, A_log=None, dt_bias=None),
     "varlen speculative decoding": _varlen_spec_decode,
     "prefill with a new final state": lambda: dict(make_inputs(lens=[5, 1], H=2, D=64), output_final_state=True),
@@ -251,6 +251,27 @@ def test_fast_entry_passes_calls_the_kernel_takes(monkeypatch, case):
     kw = VALID_FOR_THE_KERNEL[case]()
     fn = flashkda.fused_recurrent_gated_delta_rule if kw["g"].dim() == 3 else flashkda.fused_recurrent_kda
     assert _fast_answers(monkeypatch, fn, kw) == [PASSED_ALL_BUT_DEVICE]
+
+
+@needs_extension
+@pytest.mark.parametrize("entry", ["_fast", "_chunk_fast"])
+def test_fast_entries_decline_inputs_that_require_grad(monkeypatch, entry):
+    """Under autograd an input that requires grad takes the general path, which records a graph
+    (prefill) or raises (decode); without autograd the entry passes the same call."""
+    kw = dict(_decode(D=128), lower_bound=None, A_log=torch.nn.Parameter(torch.zeros(4)))
+    if entry == "_chunk_fast":
+        for name in ("ssm_state_indices", "out"):
+            del kw[name]
+        kw["initial_state"] = None
+        fn = flashkda.chunk_kda
+    else:
+        fn = flashkda.fused_recurrent_kda
+    answers = fast_spy(monkeypatch, entry)
+    with pytest.raises(NotImplementedError) if entry == "_fast" else contextlib.nullcontext():
+        fn(**kw)
+    assert answers and "requires grad" in answers[0]
+    with torch.no_grad():
+        assert _fast_answers(monkeypatch, fn, kw, entry)[-1] == PASSED_ALL_BUT_DEVICE
 
 
 def _assert_declined(answer, name, exc, named):

@@ -115,16 +115,20 @@ def test_verifiers_reject_cpu_tensors():
     assert not ok and "cpu" in reason
 
 
-def test_verifiers_reject_autograd():
+def test_verifiers_under_autograd():
+    """Training calls of the chunked entries are flashkda's (only the device is wrong here); decode
+    under autograd and FLA's inference-only intermediate states are not."""
     kw = _inputs(D=128)
     kw["q"].requires_grad_(True)
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
-    assert not ok and "grad" in reason
+    assert not ok and "grad" not in reason and "cpu" in reason
+    ok, reason = integ.chunk_kda_verifier(**kw, **GATE, return_intermediate_states=True)
+    assert not ok and "requires grad" in reason
     ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, inplace_final_state=False)
     assert not ok and "grad" in reason
     with torch.no_grad():
-        ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
-    assert not ok and "grad" not in reason  # only the device is wrong now
+        ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, inplace_final_state=False)
+    assert not ok and "grad" not in reason
 
 
 @pytest.mark.parametrize("option, word", [
@@ -471,9 +475,17 @@ def test_gpu_unsupported_falls_back_to_fla(kernel_calls):
     assert not integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, initial_state=pool, ssm_state_indices=idx)[0]
     o, s = fla_fused_recurrent_kda_fwd(**kw, **GATE, initial_state=pool, ssm_state_indices=idx)
     assert s is pool and o.shape == kw["v"].shape and torch.isfinite(o).all()
-    # autograd (flashkda is forward-only): FLA's Triton chunk_kda runs and records its backward
+    assert len(kernel_calls) == n
+
+
+@cuda
+def test_gpu_training_call_served(kernel_calls):
+    """A chunk_kda call that requires grad runs flashkda's kernels and records flashkda's backward."""
+    n = len(kernel_calls)
     kw = _inputs(B=1, T=64, H=2, HV=2, D=128, device="cuda")
     kw["q"].requires_grad_(True)
     o, _ = fla_kda.chunk_kda(**kw, **GATE, safe_gate=True)
-    assert o.requires_grad and o.grad_fn is not None and torch.isfinite(o).all()
-    assert len(kernel_calls) == n
+    assert type(o.grad_fn).__name__ == "ChunkFunctionBackward" and torch.isfinite(o).all()
+    assert len(kernel_calls) == n + 1
+    (dq,) = torch.autograd.grad(o.float().square().sum(), [kw["q"]])
+    assert dq.shape == kw["q"].shape and torch.isfinite(dq).all()

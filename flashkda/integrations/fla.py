@@ -13,11 +13,11 @@ does. :func:`register` adds a backend named ``"flashkda"`` for
 
 Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, including FLA's own
 ``flash_kda`` and ``flash_qla`` adapters. The verifiers accept exactly the calls that flashkda's CUDA
-kernels serve with FLA's semantics; everything else (CPU tensors, autograd, head dims other than
-64/128, float64, context parallelism, ...) is rejected with a reason, logged once by FLA at INFO
-level, and runs FLA's Triton code as before. The decode entry registers no verifier, to keep FLA's
-per-call cost low: its implementation sends the calls the kernels take straight to them and hands
-the others, with the same arguments, to FLA's own function, logging the first reason at INFO (the
+kernels serve with FLA's semantics, training calls included; everything else (CPU tensors, head
+dims other than 64/128, float64, context parallelism, decode under autograd, ...) is rejected with a
+reason, logged once by FLA at INFO level, and runs FLA's Triton code as before. The decode entry
+registers no verifier, to keep FLA's per-call cost low: its implementation sends the calls the
+kernels take straight to them and hands the others, with the same arguments, to FLA's own function, logging the first reason at INFO (the
 rules: :func:`fused_recurrent_kda_fwd_verifier`). Results of served calls are those of
 :func:`flashkda.chunk_kda` / :func:`flashkda.fused_recurrent_kda` /
 :func:`flashkda.chunk_gated_delta_rule`, returned in FLA's format (see the functions of the same
@@ -126,11 +126,10 @@ def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, 
 
 def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes,
                           state_v_first) -> Tuple[Optional[str], bool]:
-    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: autograd, context
-    parallelism, their ``**kwargs``, ``chunk_size`` and the deprecated layout name. Returns the
-    reason (None: none of them rejects the call) and the state layout."""
-    if _needs_grad(*tensors):
-        return "an input requires grad with autograd enabled (flashkda is forward-only)", state_v_first
+    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: context parallelism, their
+    ``**kwargs``, ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of
+    them rejects the call) and the state layout. Calls under autograd are served (flashkda records
+    the graph and computes the gradients FLA's backward would)."""
     if cp_context is not None:
         return "context parallelism (cp_context) is not supported", state_v_first
     unknown = sorted(set(kwargs) - known_kwargs)
@@ -157,6 +156,8 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
                                                   kwargs, _CHUNK_KWARGS, _api._KDA_CHUNK_SIZES, state_v_first)
     if reason is not None:
         return reason
+    if return_intermediate_states and _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return "return_intermediate_states with an input that requires grad (FLA asserts inference mode)"
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             return "use_gate_in_kernel=True needs A_log when lower_bound is not set"
@@ -244,7 +245,7 @@ def _fused_recurrent_kda_fwd_reason(q, k, v, g, beta, A_log=None, dt_bias=None, 
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None  # FLA reads them only for the fused gate
     if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
-        return "an input requires grad with autograd enabled (flashkda is forward-only)"
+        return "an input requires grad with autograd enabled (decode is forward-only)"
     if ssm_state_indices is not None:
         if isinstance(ssm_state_indices, torch.Tensor) and ssm_state_indices.dim() == 1:
             if q.dim() >= 2 and q.shape[1] > 1:

@@ -1,0 +1,258 @@
+"""Gradients of the chunked prefill (``chunk_kda`` / ``chunk_gated_delta_rule``) under autograd.
+
+A call that the CUDA kernels serve records :class:`ChunkFunction`: its forward is the kernels'
+forward and saves only the inputs; its backward (:func:`chunk_backward`) recomputes what it needs
+in fp32 and returns the gradients of every input that requires grad, FLA's gradients with FLA's
+semantics (raw gate, ``A_log`` and ``dt_bias`` in their own shapes, raw ``beta`` through the
+sigmoid, the l2 norm, GVA sums, the initial state in its own layout and dtype).
+
+The backward splits the recurrence at 64-token chunks (the layout of the kernels'
+``return_intermediate_states``):
+
+1. per-token preprocessing of the raw inputs under autograd (:func:`flashkda.reference.preprocess`);
+2. every chunk's local quantities at once, under autograd (:func:`_chunk_local`): cumulative log
+   decay ``Γ``, the decayed Gram matrices ``M = tril(q kᵀ ⊙ e^{Γi−Γj})`` and
+   ``A = diag(β) strict_tril(k kᵀ ⊙ e^{Γi−Γj})``, ``T = (I + A)⁻¹ diag(β)``, ``w = T (k e^Γ)``,
+   ``u = T v``, ``q e^Γ``, ``k e^{Γ_C−Γ}`` and the chunk decay ``e^{Γ_C}``;
+3. the states at chunk starts by a scan over chunks without autograd,
+   ``S' = e^{Γ_C} ⊙ S + (k e^{Γ_C−Γ})ᵀ (u − w S)``;
+4. the state gradients by the reverse scan, from the final state's gradient:
+   ``dU = Mᵀ dO + (k e^{Γ_C−Γ}) dS'``, ``dS = e^{Γ_C} ⊙ dS' + (q e^Γ)ᵀ dO − wᵀ dU``; the first is the
+   initial state's gradient;
+5. each chunk's output ``O = (q e^Γ) S + M (u − w S)`` and next state, with the states as constants,
+   under autograd, differentiated with ``dO`` and the next state's gradient from step 4: the only
+   coupling between chunks is the state, so this gives every input's gradient.
+
+Within a chunk only ``e^{Γi−Γj}`` for ``j <= i`` is formed, each factor at most 1 (see
+:func:`_decayed_grams`): unbounded softplus gates and masks such as ``g = -1e4`` stay finite in the
+gradients too. Varlen batches are laid out as ``[N, chunks]`` of their longest sequence; padded
+tokens have zero ``q, k, v, beta`` and a zero log decay, so padded chunks pass the state through.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from flashkda import _constants as C
+from flashkda.reference import preprocess
+
+__all__ = ["ChunkFunction", "ChunkOptions", "chunk_backward"]
+
+_CHUNK = C.CHUNK_STATE_TOKENS
+#: Tokens per diagonal block of the decayed Gram matrices: the pairwise decays of a block are
+#: formed elementwise ([..., 16, 16, K]); blocks below the diagonal are products of two factors.
+_BLOCK = 16
+
+
+class ChunkOptions(NamedTuple):
+    """The non-tensor arguments of one chunked call, as :class:`ChunkFunction` takes them."""
+
+    scale: float
+    use_qk_l2norm_in_kernel: bool
+    use_gate_in_kernel: bool
+    lower_bound: Optional[float]
+    use_beta_sigmoid_in_kernel: bool
+    allow_neg_eigval: bool
+    state_v_first: bool
+    cu_seqlens: Optional[torch.Tensor]
+    cu_seqlens_cpu: Optional[torch.Tensor]
+
+
+class ChunkFunction(torch.autograd.Function):
+    """``(o, final_state)`` of a chunked prefill, differentiable in every tensor input.
+
+    ``forward(ctx, run, options, q, k, v, g, beta, A_log, dt_bias, initial_state)``: ``run()`` computes
+    ``(o, final_state or None)`` from those tensors without autograd (the CUDA kernels);
+    ``options`` is a :class:`ChunkOptions`.
+    """
+
+    @staticmethod
+    def forward(ctx, run, options: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state):
+        o, ht = run()
+        ctx.options = options
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        needs = ctx.needs_input_grad[2:]
+        grads = chunk_backward(ctx.options, *ctx.saved_tensors, do=do, dht=dht, needs_grad=needs)
+        return (None, None, *grads)
+
+
+def _chunk_rows(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, int, int]:
+    """``(rows [N, J * 64], N, J)``: the token row (of the ``B * T`` flattened tokens) at each position
+    of each sequence's chunks, ``B * T`` (a zero row) past the sequence's end; ``J`` is the longest
+    sequence's chunk count. Reads ``cu_seqlens`` on the host (from ``cu_seqlens_cpu`` when given)."""
+    if cu_seqlens is None:
+        J = -(-T // _CHUNK)
+        pos = torch.arange(J * _CHUNK, device=device)
+        rows = torch.arange(B, device=device)[:, None] * T + pos[None]
+        return torch.where(pos[None] < T, rows, B * T), B, J
+    host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    N = len(host) - 1
+    J = max((-(-(b - a) // _CHUNK) for a, b in zip(host, host[1:])), default=0)
+    starts = torch.tensor(host[:-1], dtype=torch.long, device=device)
+    lens = torch.tensor([b - a for a, b in zip(host, host[1:])], dtype=torch.long, device=device)
+    pos = torch.arange(J * _CHUNK, device=device)
+    return torch.where(pos[None] < lens[:, None], starts[:, None] + pos[None], T), N, J
+
+
+def _exclusive_suffix_sums(g: torch.Tensor) -> torch.Tensor:
+    """``Σ_{t > i} g_t`` along dim -2, summing only those terms (no difference of long sums, which
+    would lose the small terms beside a ``-1e4`` mask)."""
+    s = g.flip(-2).cumsum(-2).flip(-2)
+    return torch.cat([s[..., 1:, :], torch.zeros_like(s[..., :1, :])], dim=-2)
+
+
+def _decayed_grams(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(M, A)`` of chunks ``[..., C, K]`` with per-token log decays ``g``:
+    ``M_ij = Σ_c q_ic k_jc e^{Γ_ic − Γ_jc}`` for ``j <= i``, ``A_ij`` the same with ``k`` for rows and
+    ``j < i``, zero elsewhere; ``Γ_i − Γ_j = Σ_{j < t <= i} g_t``.
+
+    Diagonal blocks of 16 tokens form the pairwise decay sums directly, the upper triangle masked
+    before the exponential; a block below the diagonal (rows after block b, columns in b) is the
+    product of ``x e^{Σ_{r<t<=i} g_t}`` and ``k e^{Σ_{j<t<=r} g_t}``, ``r`` block b's last token: both
+    factors at most 1 for log decays ``<= 0``.
+    """
+    *lead, Cn, K = q.shape
+    nb = Cn // _BLOCK
+    qb, kb, gb = (x.reshape(*lead, nb, _BLOCK, K) for x in (q, k, g))
+    lower = torch.ones(_BLOCK, _BLOCK, dtype=torch.bool, device=q.device).tril()
+    # [..., nb, i, j, K]: Σ_{j < t <= i} g_t, then e^{...} below the diagonal, 0 above it
+    spans = torch.where(lower[:, :, None] & ~torch.eye(_BLOCK, dtype=torch.bool, device=q.device)[:, :, None],
+                        gb[..., :, None, :], 0.0).cumsum(-3)
+    kd = kb[..., None, :, :] * torch.where(lower[:, :, None], spans, float("-inf")).exp()
+    M = q.new_zeros(*lead, Cn, Cn)
+    A = q.new_zeros(*lead, Cn, Cn)
+    strict = torch.ones(_BLOCK, _BLOCK, dtype=torch.bool, device=q.device).tril(-1)
+    m_diag = (qb[..., :, None, :] * kd).sum(-1)
+    a_diag = (kb[..., :, None, :] * kd).sum(-1).masked_fill(~strict, 0.0)
+    col_factor = _exclusive_suffix_sums(gb).exp().reshape(*lead, Cn, K)  # e^{Σ_{j<t<=r}} within j's block
+    for b in range(nb):
+        cols = slice(b * _BLOCK, (b + 1) * _BLOCK)
+        M[..., cols, cols] = m_diag[..., b, :, :]
+        A[..., cols, cols] = a_diag[..., b, :, :]
+        if b + 1 == nb:
+            break
+        rows = slice((b + 1) * _BLOCK, Cn)
+        row_factor = g[..., rows, :].cumsum(-2).exp()
+        col = k[..., cols, :] * col_factor[..., cols, :]
+        M[..., rows, cols] = (q[..., rows, :] * row_factor) @ col.transpose(-1, -2)
+        A[..., rows, cols] = (k[..., rows, :] * row_factor) @ col.transpose(-1, -2)
+    return M, A
+
+
+class _Local(NamedTuple):
+    """Per-chunk quantities ``[N, HV, J, ...]`` that do not depend on the state."""
+
+    qg: torch.Tensor  # [.., C, K] q e^Γ
+    kd: torch.Tensor  # [.., C, K] k e^{Γ_C − Γ}
+    w: torch.Tensor  # [.., C, K] T (k e^Γ)
+    u: torch.Tensor  # [.., C, V] T v
+    M: torch.Tensor  # [.., C, C]
+    decay: torch.Tensor  # [.., K] e^{Γ_C}
+
+
+def _chunk_local(q, k, v, g, beta) -> _Local:
+    """Every chunk's local quantities from preprocessed ``q, k, g [.., C, K]``, ``v [.., C, V]``,
+    ``beta [.., C]`` (fp32)."""
+    G = g.cumsum(-2)
+    M, A = _decayed_grams(q, k, g)
+    eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
+    # (I + diag(β) A)⁻¹ by a unit lower-triangular solve (A is strictly lower).
+    L = torch.linalg.solve_triangular(beta[..., :, None] * A, eye.expand_as(A), upper=False, unitriangular=True)
+    T = L * beta[..., None, :]
+    eG = G.exp()
+    return _Local(qg=q * eG, kd=k * _exclusive_suffix_sums(g).exp(), w=T @ (k * eG), u=T @ v, M=M,
+                  decay=eG[..., -1, :])
+
+
+def _state_scan(loc: _Local, S: torch.Tensor) -> torch.Tensor:
+    """States at the start of every chunk, ``[N, HV, J, K, V]``, from the initial ``S [N, HV, K, V]``."""
+    J = loc.w.shape[2]
+    states = S.new_empty(*S.shape[:2], J, *S.shape[2:])
+    for j in range(J):
+        states[:, :, j] = S
+        U = loc.u[:, :, j] - loc.w[:, :, j] @ S
+        S = loc.decay[:, :, j, :, None] * S + loc.kd[:, :, j].transpose(-1, -2) @ U
+    return states
+
+
+def _state_grad_scan(loc: _Local, dO: torch.Tensor, dS: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(dS_next [N, HV, J, K, V], dS0)``: the gradient of the state after every chunk and of the
+    initial state, from ``dO [N, HV, J, C, V]`` and the final state's gradient ``dS [N, HV, K, V]``."""
+    J = loc.w.shape[2]
+    nexts = dS.new_empty(*dS.shape[:2], J, *dS.shape[2:])
+    for j in reversed(range(J)):
+        nexts[:, :, j] = dS
+        dOj = dO[:, :, j]
+        dU = loc.M[:, :, j].transpose(-1, -2) @ dOj + loc.kd[:, :, j] @ dS
+        dS = (loc.decay[:, :, j, :, None] * dS + loc.qg[:, :, j].transpose(-1, -2) @ dOj
+              - loc.w[:, :, j].transpose(-1, -2) @ dU)
+    return nexts, dS
+
+
+def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
+    (None for an input that needs none), from the gradients ``do`` of ``o`` and ``dht`` of the final
+    state (None: zero). The arguments are the call's raw inputs; ``needs_grad`` holds one flag each."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    f32 = torch.float32
+    dev = q.device
+    rows, N, J = _chunk_rows(B, T, opts.cu_seqlens, opts.cu_seqlens_cpu, dev)
+    raw = (q, k, v, g, beta, A_log, dt_bias)
+    with torch.enable_grad():
+        leaves = [None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip(raw, needs_grad)]
+        ql, kl, vl, gl, bl, al, dl = leaves
+        qp, kp, gp, bp = preprocess(
+            ql, kl, gl, bl, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=opts.use_gate_in_kernel, A_log=al, dt_bias=dl, lower_bound=opts.lower_bound,
+            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
+            dtype=f32)
+        if gp.dim() == 3:  # GDN: one decay per head for every key channel
+            gp = gp[..., None].expand(B, T, HV, K)
+        if HV != H:
+            qp, kp = qp.repeat_interleave(HV // H, dim=2), kp.repeat_interleave(HV // H, dim=2)
+
+        def chunks(x: torch.Tensor) -> torch.Tensor:
+            """[B, T, HV, D] -> [N, HV, J, C, D], zero past each sequence's end."""
+            flat = x.reshape(B * T, HV, x.shape[-1])
+            flat = torch.cat([flat, flat.new_zeros(1, HV, flat.shape[-1])])
+            return flat[rows].view(N, J, _CHUNK, HV, flat.shape[-1]).permute(0, 3, 1, 2, 4)
+
+        loc = _chunk_local(chunks(qp), chunks(kp), chunks(vl.to(f32)), chunks(gp), chunks(bp[..., None])[..., 0])
+    with torch.no_grad():
+        S0 = q.new_zeros(N, HV, K, V, dtype=f32)
+        if initial_state is not None:
+            S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
+        detached = _Local(*(t.detach() for t in loc))
+        states = _state_scan(detached, S0)
+        dS = q.new_zeros(N, HV, K, V, dtype=f32)
+        if dht is not None:
+            dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
+        dO = torch.zeros(B * T + 1, HV, V, dtype=f32, device=dev)
+        if do is not None:
+            dO[:-1] = do.reshape(B * T, HV, V)
+        dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4)
+        dS_next, dS0 = _state_grad_scan(detached, dO, dS)
+
+    wanted = [t for t in leaves if t is not None and t.requires_grad]
+    grads = {}
+    if wanted:
+        with torch.enable_grad():
+            U = loc.u - loc.w @ states
+            O = loc.qg @ states + loc.M @ U
+            S_next = loc.decay[..., None] * states + loc.kd.transpose(-1, -2) @ U
+        found = torch.autograd.grad([O, S_next], wanted, [dO, dS_next], allow_unused=True)
+        grads = {id(t): gr for t, gr in zip(wanted, found)}
+    out = [None if t is None or not t.requires_grad else
+           (grads.get(id(t)) if grads.get(id(t)) is not None else torch.zeros_like(t)) for t in leaves]
+    dh0 = None
+    if initial_state is not None and needs_grad[7]:
+        dh0 = (dS0.transpose(-1, -2) if opts.state_v_first else dS0).to(initial_state.dtype)
+    return (*out, dh0)

@@ -1,0 +1,226 @@
+"""Gradients of the chunked prefill against fp64 autograd of the token-by-token recurrence.
+
+On the CPU: the chunked backward (flashkda.autograd.chunk_backward, under ChunkFunction with the
+reference as its forward) in every mode; the public functions record a graph on every path; decode
+raises under autograd. On a GPU: the kernels' forward recorded as ChunkFunction, its gradients, and
+(marked fla_compile) each gradient's error at most 1.25x FLA's on the same inputs. NaN never passes
+(rel_err gives inf).
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashkda
+from flashkda.autograd import ChunkFunction, ChunkOptions
+from flashkda.reference import kda_reference
+
+from helpers import GRAD_INPUTS, HAS_CUDA_KERNELS, grads64, grads_of, make_inputs, public_fn, rel_err
+
+NAMES = GRAD_INPUTS
+FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+         "lower_bound", "state_v_first", "cu_seqlens")
+
+
+def _through_chunk_function(kw, do, dht):
+    """Gradients of ChunkFunction (chunk_backward) with the reference as its forward."""
+    flags = {f: kw[f] for f in FLAGS if f in kw}
+    opts = ChunkOptions(kw["q"].shape[-1] ** -0.5, flags.get("use_qk_l2norm_in_kernel", False),
+                        flags.get("use_gate_in_kernel", False), flags.get("lower_bound"),
+                        flags.get("use_beta_sigmoid_in_kernel", False), flags.get("allow_neg_eigval", False),
+                        flags.get("state_v_first", False), flags.get("cu_seqlens"), None)
+
+    def fn(**call):
+        tensors = [call.get(n) for n in NAMES]
+        return ChunkFunction.apply(lambda: kda_reference(**call), opts, *tensors)
+
+    return grads_of(fn, kw, do, dht, output_final_state=True)
+
+
+def _upstream(kw, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    v = kw["v"]
+    N, HV, D = (len(kw["cu_seqlens"]) - 1 if kw.get("cu_seqlens") is not None else v.shape[0]), v.shape[2], v.shape[3]
+    do = torch.randn(*v.shape, generator=gen).to(v.device)
+    dht = torch.randn(N, HV, D, D, generator=gen).to(v.device)
+    return do, dht
+
+
+def _check_grads(got, ref, bound, what=""):
+    for name, a, b in zip(NAMES, got, ref):
+        if b is None:
+            continue
+        assert a is not None, f"{what}: no gradient for {name}"
+        assert a.shape == b.shape, f"{what}: d{name} has shape {list(a.shape)}, expected {list(b.shape)}"
+        err = rel_err(a, b)
+        assert err <= bound, f"{what}: d{name} error {err:.2e} > {bound:.1e}"
+
+
+CPU_CASES = {
+    "lower_bound": dict(gate="lower_bound"),
+    "softplus_gva": dict(gate="softplus", HV=4),
+    "precomputed_masks": dict(gate="precomputed", mask_prob=0.1),
+    "varlen_odd": dict(gate="lower_bound", lens=[1, 17, 0, 97, 130]),
+    "gdn_v_first": dict(gate="softplus", gdn=True, state_v_first=True),
+    "gdn_varlen_precomputed": dict(gate="precomputed", gdn=True, lens=[64, 65, 3]),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_chunk_backward_matches_fp64(case):
+    """chunk_backward (fp32) against fp64 autograd of the recurrence, with every input requiring
+    grad, both upstream gradients given, the reference as ChunkFunction's forward."""
+    spec = dict(CPU_CASES[case])
+    kw = make_inputs(B=2, T=150, H=2, D=32, **spec, seed=5)
+    if case == "softplus_gva":
+        kw["allow_neg_eigval"] = True
+    do, dht = _upstream(kw)
+    _check_grads(_through_chunk_function(kw, do, dht), grads64(kw, do, dht), 2e-5, case)
+
+
+def test_chunk_backward_without_sequences_or_final_gradient():
+    """Zero-length sequences only (no chunk at all): the initial state's gradient is the final
+    state's; and with no final-state gradient the gradients come from the output alone."""
+    kw = make_inputs(lens=[0, 0], H=2, D=32, seed=1)
+    do, dht = _upstream(kw)
+    got = _through_chunk_function(kw, do, dht)
+    assert torch.equal(got[-1], dht)
+    kw = make_inputs(T=70, H=2, D=32, seed=2)
+    do, _ = _upstream(kw)
+    _check_grads(_through_chunk_function(kw, do, None), grads64(kw, do, None), 2e-5, "output only")
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+def test_reference_path_records_graph(gdn):
+    """A CPU call (the reference) under autograd returns outputs with a graph whose gradients are
+    the recurrence's, A_log and dt_bias in their own shapes."""
+    kw = make_inputs(lens=[5, 70], H=2, HV=4, D=16, gdn=gdn, gate="softplus", seed=3)
+    kw["A_log"] = kw["A_log"].reshape(1, 1, 4, 1)
+    if not gdn:
+        kw["dt_bias"] = kw["dt_bias"].reshape(4, 16)
+    do, dht = _upstream(kw)
+    got = grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True)
+    _check_grads(got, grads64(kw, do, dht), 2e-5, "reference")
+
+
+def test_no_graph_without_grad():
+    kw = make_inputs(T=20, H=2, D=16, seed=4)
+    kw["q"].requires_grad_()
+    with torch.no_grad():
+        o, _ = flashkda.chunk_kda(**kw)
+    assert o.grad_fn is None
+    with torch.inference_mode():
+        o, _ = flashkda.chunk_kda(**kw)
+    assert not o.requires_grad
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+@pytest.mark.parametrize("name", ["q", "g", "beta", "A_log", "initial_state"])
+def test_decode_raises_under_grad(gdn, name):
+    kw = make_inputs(T=3, H=2, D=16, gdn=gdn, gate="softplus", seed=6)
+    kw[name].requires_grad_()
+    fn = public_fn("recurrent", gdn)
+    with pytest.raises(NotImplementedError, match=f"{name} requires grad"):
+        fn(**kw)
+    with torch.no_grad():
+        o, _ = fn(**kw)
+    assert o.grad_fn is None
+
+
+@pytest.mark.parametrize("option", ["return_intermediate_states", "checkpoint_pool", "ssm_state_indices"])
+def test_inference_options_raise_under_grad(option):
+    kw = make_inputs(T=70, H=2, D=16, seed=7)
+    kw["k"].requires_grad_()
+    extra = {
+        "return_intermediate_states": dict(return_intermediate_states=True),
+        "checkpoint_pool": dict(checkpoint_pool=torch.zeros(4, 2, 16, 16),
+                                checkpoint_slots=torch.zeros(1, 2, dtype=torch.int32)),
+        "ssm_state_indices": dict(ssm_state_indices=torch.zeros(1, dtype=torch.int32)),
+    }[option]
+    with pytest.raises(ValueError, match=f"{option} is for inference"):
+        flashkda.chunk_kda(**kw, **extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the kernels' forward under ChunkFunction.
+# ---------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
+
+#: Gradients of bf16 / fp16 leaves are rounded to their dtype (relative error about 1e-3); the
+#: backward itself runs in fp32 on the rounded inputs.
+CUDA_TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+
+GPU_CASES = {
+    "bf16_lower_bound_varlen_vfirst": dict(dtype=torch.bfloat16, gate="lower_bound", lens=[1, 17, 0, 97, 1100],
+                                           state_v_first=True),
+    "bf16_softplus_gva_fixed": dict(dtype=torch.bfloat16, gate="softplus", B=2, T=300, HV=8),
+    "fp16_precomputed_masks": dict(dtype=torch.float16, gate="precomputed", T=200, mask_prob=0.05),
+    "bf16_gdn_bf16_state": dict(dtype=torch.bfloat16, gate="softplus", gdn=True, lens=[130, 64, 3],
+                                state_dtype=torch.bfloat16),
+    "bf16_head_dim_64": dict(dtype=torch.bfloat16, gate="lower_bound", T=150, D=64),
+}
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_cuda_grads_match_fp64(case):
+    spec = dict(GPU_CASES[case])
+    gdn = spec.pop("gdn", False)
+    kw = make_inputs(H=4, D=spec.pop("D", 128), gdn=gdn, device="cuda", **spec, seed=8)
+    do, dht = _upstream(kw)
+    fn = public_fn("chunk", gdn)
+    o, _ = fn(**dict(kw, v=kw["v"].detach().clone().requires_grad_()))
+    assert type(o.grad_fn).__name__ == "ChunkFunctionBackward", f"{case}: {o.grad_fn} (not the kernels' forward)"
+    got = grads_of(fn, kw, do, dht, output_final_state=True)
+    for name, gr in zip(NAMES, got):
+        if gr is not None:
+            assert gr.dtype == kw[name].dtype and gr.device == kw[name].device, name
+    _check_grads(got, grads64(kw, do, dht), CUDA_TOL[spec["dtype"]], case)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_fast_entry_declines_grad(monkeypatch):
+    """The eager C++ entries decline inputs that require grad (the general path records the graph
+    or raises); a call without grad still takes them."""
+    from helpers import fast_spy
+
+    answers = fast_spy(monkeypatch, "_chunk_fast")
+    kw = make_inputs(T=64, H=2, D=128, dtype=torch.bfloat16, device="cuda", seed=9)
+    flashkda.chunk_kda(**kw)
+    kw["v"].requires_grad_()
+    o, _ = flashkda.chunk_kda(**kw)
+    assert isinstance(answers[0], tuple) and "requires grad" in answers[1]
+    assert o.grad_fn is not None
+
+
+# FLA's error on the issue's accuracy case, the bound 1.25x of it (T = 300 fixed and varlen, H = 4,
+# K = V = 128, bf16 inputs, lower-bound and softplus gates).
+FLA_RATIO = 1.25
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.fla_compile
+@pytest.mark.parametrize("lens", [None, [37, 1, 200, 62]], ids=["fixed", "varlen"])
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_cuda_grads_against_fla(gate, lens, monkeypatch):
+    fla_chunk_kda = pytest.importorskip("fla.ops.kda").chunk_kda
+    from flashkda.integrations import fla as integ
+
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")
+
+    kw = make_inputs(H=4, D=128, T=300, lens=lens, gate=gate, dtype=torch.bfloat16, device="cuda", seed=12)
+    do, dht = _upstream(kw)
+    ref = grads64(kw, do, dht)
+    ours = grads_of(flashkda.chunk_kda, kw, do, dht, output_final_state=True)
+    monkeypatch.setenv(integ.ENV_VAR, "0")  # FLA's own kernels
+    theirs = grads_of(fla_chunk_kda, kw, do, dht, output_final_state=True, safe_gate=gate == "lower_bound")
+    for name, a, b, r in zip(NAMES, ours, theirs, ref):
+        if r is None:
+            continue
+        ea, eb = rel_err(a, r), rel_err(b, r)
+        assert ea <= FLA_RATIO * eb and not math.isnan(ea), f"d{name}: flashkda {ea:.2e} > {FLA_RATIO} x FLA {eb:.2e}"
