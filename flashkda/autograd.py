@@ -41,9 +41,13 @@ from flashkda.reference import preprocess
 __all__ = ["ChunkFunction", "ChunkOptions", "chunk_backward"]
 
 _CHUNK = C.CHUNK_STATE_TOKENS
-#: Tokens per diagonal block of the decayed Gram matrices: the pairwise decays of a block are
-#: formed elementwise ([..., 16, 16, K]); blocks below the diagonal are products of two factors.
-_BLOCK = 16
+#: Diagonal blocks of the decayed Gram matrices: with pairwise decays formed elementwise
+#: ([..., 16, 16, K]), and with pivoted factors (8 tokens, ``x e^{γ−h}`` and ``k e^{h−γ}``, h the
+#: block's half decay) when every block's decay spans at most _PIVOT_SPAN in log space.
+_EXACT_BLOCK, _PIVOT_BLOCK = 16, 8
+#: Largest |log decay| over a pivoted block: factors up to e^{32}, products up to e^{64} (fp32
+#: reaches e^{88}). The lower-bound gate (at least -5 a token) always stays within it.
+_PIVOT_SPAN = 64.0
 
 
 class ChunkOptions(NamedTuple):
@@ -108,42 +112,60 @@ def _exclusive_suffix_sums(g: torch.Tensor) -> torch.Tensor:
     return torch.cat([s[..., 1:, :], torch.zeros_like(s[..., :1, :])], dim=-2)
 
 
-def _decayed_grams(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _decayed_grams(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, pivot: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(M, A)`` of chunks ``[..., C, K]`` with per-token log decays ``g``:
     ``M_ij = Σ_c q_ic k_jc e^{Γ_ic − Γ_jc}`` for ``j <= i``, ``A_ij`` the same with ``k`` for rows and
     ``j < i``, zero elsewhere; ``Γ_i − Γ_j = Σ_{j < t <= i} g_t``.
 
-    Diagonal blocks of 16 tokens form the pairwise decay sums directly, the upper triangle masked
-    before the exponential; a block below the diagonal (rows after block b, columns in b) is the
-    product of ``x e^{Σ_{r<t<=i} g_t}`` and ``k e^{Σ_{j<t<=r} g_t}``, ``r`` block b's last token: both
-    factors at most 1 for log decays ``<= 0``.
+    A block below the diagonal (rows after block b, columns in b) is the product of
+    ``x e^{Σ_{r<t<=i} g_t}`` and ``k e^{Σ_{j<t<=r} g_t}``, ``r`` block b's last token: both factors at
+    most 1 for log decays ``<= 0``. Diagonal blocks: with ``pivot`` (every block's decay within
+    _PIVOT_SPAN) the product of ``x e^{γ−h}`` and ``k e^{h−γ}`` (γ the decay from the block start, h
+    half the block's), masked after; otherwise the pairwise decay sums formed directly, the upper
+    triangle masked before the exponential (any gate, ``-1e4`` masks included).
     """
     *lead, Cn, K = q.shape
-    nb = Cn // _BLOCK
-    qb, kb, gb = (x.reshape(*lead, nb, _BLOCK, K) for x in (q, k, g))
-    lower = torch.ones(_BLOCK, _BLOCK, dtype=torch.bool, device=q.device).tril()
-    # [..., nb, i, j, K]: Σ_{j < t <= i} g_t, then e^{...} below the diagonal, 0 above it
-    spans = torch.where(lower[:, :, None] & ~torch.eye(_BLOCK, dtype=torch.bool, device=q.device)[:, :, None],
-                        gb[..., :, None, :], 0.0).cumsum(-3)
-    kd = kb[..., None, :, :] * torch.where(lower[:, :, None], spans, float("-inf")).exp()
+    bs = _PIVOT_BLOCK if pivot else _EXACT_BLOCK
+    nb = Cn // bs
+    qb, kb, gb = (x.reshape(*lead, nb, bs, K) for x in (q, k, g))
+    lower = torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril()
+    strict = torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril(-1)
+    if pivot:
+        gamma = gb.cumsum(-2)
+        half = gamma[..., -1:, :] * 0.5
+        col = kb * (half - gamma).exp()
+        m_diag = ((qb * (gamma - half).exp()) @ col.transpose(-1, -2)).masked_fill(~lower, 0.0)
+        a_diag = ((kb * (gamma - half).exp()) @ col.transpose(-1, -2)).masked_fill(~strict, 0.0)
+    else:
+        # [..., nb, i, j, K]: Σ_{j < t <= i} g_t, then e^{...} below the diagonal, 0 above it
+        spans = torch.where(strict[:, :, None], gb[..., :, None, :], 0.0).cumsum(-3)
+        kd = kb[..., None, :, :] * torch.where(lower[:, :, None], spans, float("-inf")).exp()
+        m_diag = (qb[..., :, None, :] * kd).sum(-1)
+        a_diag = (kb[..., :, None, :] * kd).sum(-1).masked_fill(~strict, 0.0)
     M = q.new_zeros(*lead, Cn, Cn)
     A = q.new_zeros(*lead, Cn, Cn)
-    strict = torch.ones(_BLOCK, _BLOCK, dtype=torch.bool, device=q.device).tril(-1)
-    m_diag = (qb[..., :, None, :] * kd).sum(-1)
-    a_diag = (kb[..., :, None, :] * kd).sum(-1).masked_fill(~strict, 0.0)
     col_factor = _exclusive_suffix_sums(gb).exp().reshape(*lead, Cn, K)  # e^{Σ_{j<t<=r}} within j's block
     for b in range(nb):
-        cols = slice(b * _BLOCK, (b + 1) * _BLOCK)
+        cols = slice(b * bs, (b + 1) * bs)
         M[..., cols, cols] = m_diag[..., b, :, :]
         A[..., cols, cols] = a_diag[..., b, :, :]
         if b + 1 == nb:
             break
-        rows = slice((b + 1) * _BLOCK, Cn)
+        rows = slice((b + 1) * bs, Cn)
         row_factor = g[..., rows, :].cumsum(-2).exp()
         col = k[..., cols, :] * col_factor[..., cols, :]
         M[..., rows, cols] = (q[..., rows, :] * row_factor) @ col.transpose(-1, -2)
         A[..., rows, cols] = (k[..., rows, :] * row_factor) @ col.transpose(-1, -2)
     return M, A
+
+
+def _pivot_safe(g: torch.Tensor, bounded: bool) -> bool:
+    """Whether every pivot block's decay spans at most _PIVOT_SPAN (``bounded``: known from the gate,
+    no look at the data; otherwise one read of the device, which synchronises)."""
+    if bounded:
+        return True
+    spans = g.reshape(*g.shape[:-2], -1, _PIVOT_BLOCK, g.shape[-1]).sum(-2)
+    return bool((spans >= -_PIVOT_SPAN).all())
 
 
 class _Local(NamedTuple):
@@ -157,11 +179,11 @@ class _Local(NamedTuple):
     decay: torch.Tensor  # [.., K] e^{Γ_C}
 
 
-def _chunk_local(q, k, v, g, beta) -> _Local:
+def _chunk_local(q, k, v, g, beta, pivot: bool) -> _Local:
     """Every chunk's local quantities from preprocessed ``q, k, g [.., C, K]``, ``v [.., C, V]``,
-    ``beta [.., C]`` (fp32)."""
+    ``beta [.., C]`` (fp32); ``pivot``: see :func:`_decayed_grams`."""
     G = g.cumsum(-2)
-    M, A = _decayed_grams(q, k, g)
+    M, A = _decayed_grams(q, k, g, pivot)
     eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
     # (I + diag(β) A)⁻¹ by a unit lower-triangular solve (A is strictly lower).
     L = torch.linalg.solve_triangular(beta[..., :, None] * A, eye.expand_as(A), upper=False, unitriangular=True)
@@ -171,29 +193,44 @@ def _chunk_local(q, k, v, g, beta) -> _Local:
                   decay=eG[..., -1, :])
 
 
-def _state_scan(loc: _Local, S: torch.Tensor) -> torch.Tensor:
-    """States at the start of every chunk, ``[N, HV, J, K, V]``, from the initial ``S [N, HV, K, V]``."""
-    J = loc.w.shape[2]
-    states = S.new_empty(*S.shape[:2], J, *S.shape[2:])
-    for j in range(J):
-        states[:, :, j] = S
-        U = loc.u[:, :, j] - loc.w[:, :, j] @ S
-        S = loc.decay[:, :, j, :, None] * S + loc.kd[:, :, j].transpose(-1, -2) @ U
-    return states
+def _transitions(loc: _Local) -> torch.Tensor:
+    """``[J, N*HV, K, K]``: each chunk's map of the state, ``S' = (diag(e^{Γ_C}) − kdᵀ w) S + kdᵀ u``;
+    its transpose carries the state's gradient back."""
+    N, HV, J, _, K = loc.w.shape
+    D = torch.diag_embed(loc.decay) - loc.kd.transpose(-1, -2) @ loc.w
+    return D.permute(2, 0, 1, 3, 4).reshape(J, N * HV, K, K)
 
 
-def _state_grad_scan(loc: _Local, dO: torch.Tensor, dS: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _state_scan(loc: _Local, D: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """States at the start of every chunk, ``[N, HV, J, K, V]``, from the initial ``S [N, HV, K, V]``:
+    one batched multiply-add per chunk."""
+    N, HV, J, _, K = loc.w.shape
+    V = S.shape[-1]
+    B = (loc.kd.transpose(-1, -2) @ loc.u).permute(2, 0, 1, 3, 4).reshape(J, N * HV, K, V)
+    states = S.new_empty(J, N * HV, K, V)
+    if J:
+        states[0] = S.reshape(N * HV, K, V)
+    for j in range(J - 1):
+        torch.baddbmm(B[j], D[j], states[j], out=states[j + 1])
+    return states.view(J, N, HV, K, V).permute(1, 2, 0, 3, 4)
+
+
+def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.Tensor):
     """``(dS_next [N, HV, J, K, V], dS0)``: the gradient of the state after every chunk and of the
-    initial state, from ``dO [N, HV, J, C, V]`` and the final state's gradient ``dS [N, HV, K, V]``."""
-    J = loc.w.shape[2]
-    nexts = dS.new_empty(*dS.shape[:2], J, *dS.shape[2:])
-    for j in reversed(range(J)):
-        nexts[:, :, j] = dS
-        dOj = dO[:, :, j]
-        dU = loc.M[:, :, j].transpose(-1, -2) @ dOj + loc.kd[:, :, j] @ dS
-        dS = (loc.decay[:, :, j, :, None] * dS + loc.qg[:, :, j].transpose(-1, -2) @ dOj
-              - loc.w[:, :, j].transpose(-1, -2) @ dU)
-    return nexts, dS
+    initial state, from ``dO [N, HV, J, C, V]`` and the final state's gradient ``dS [N, HV, K, V]``:
+    ``dS = Dᵀ dS' + (q e^Γ − M w)ᵀ dO``, one batched multiply-add per chunk."""
+    N, HV, J, _, K = loc.w.shape
+    V = dS.shape[-1]
+    if J == 0:
+        return dS.new_empty(N, HV, 0, K, V), dS
+    Y = ((loc.qg - loc.M @ loc.w).transpose(-1, -2) @ dO).permute(2, 0, 1, 3, 4).reshape(J, N * HV, K, V)
+    Dt = D.transpose(-1, -2)
+    nexts = dS.new_empty(J, N * HV, K, V)
+    nexts[J - 1] = dS.reshape(N * HV, K, V)
+    for j in range(J - 1, 0, -1):
+        torch.baddbmm(Y[j], Dt[j], nexts[j], out=nexts[j - 1])
+    dS0 = torch.baddbmm(Y[0], Dt[0], nexts[0]).view(N, HV, K, V)
+    return nexts.view(J, N, HV, K, V).permute(1, 2, 0, 3, 4), dS0
 
 
 def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
@@ -225,13 +262,17 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             flat = torch.cat([flat, flat.new_zeros(1, HV, flat.shape[-1])])
             return flat[rows].view(N, J, _CHUNK, HV, flat.shape[-1]).permute(0, 3, 1, 2, 4)
 
-        loc = _chunk_local(chunks(qp), chunks(kp), chunks(vl.to(f32)), chunks(gp), chunks(bp[..., None])[..., 0])
+        gc = chunks(gp)
+        bounded = opts.use_gate_in_kernel and opts.lower_bound is not None
+        loc = _chunk_local(chunks(qp), chunks(kp), chunks(vl.to(f32)), gc, chunks(bp[..., None])[..., 0],
+                           _pivot_safe(gc.detach(), bounded))
     with torch.no_grad():
         S0 = q.new_zeros(N, HV, K, V, dtype=f32)
         if initial_state is not None:
             S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
         detached = _Local(*(t.detach() for t in loc))
-        states = _state_scan(detached, S0)
+        D = _transitions(detached)
+        states = _state_scan(detached, D, S0)
         dS = q.new_zeros(N, HV, K, V, dtype=f32)
         if dht is not None:
             dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
@@ -239,7 +280,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         if do is not None:
             dO[:-1] = do.reshape(B * T, HV, V)
         dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4)
-        dS_next, dS0 = _state_grad_scan(detached, dO, dS)
+        dS_next, dS0 = _state_grad_scan(detached, D, dO, dS)
 
     wanted = [t for t in leaves if t is not None and t.requires_grad]
     grads = {}

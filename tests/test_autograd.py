@@ -224,3 +224,14 @@ def test_cuda_grads_against_fla(gate, lens, monkeypatch):
             continue
         ea, eb = rel_err(a, r), rel_err(b, r)
         assert ea <= FLA_RATIO * eb and not math.isnan(ea), f"d{name}: flashkda {ea:.2e} > {FLA_RATIO} x FLA {eb:.2e}"
+
+
+def test_decayed_grams_pivot_equals_exact():
+    """The two diagonal-block forms of the decayed Gram matrices agree where both apply."""
+    from flashkda.autograd import _decayed_grams
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 3, 64, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    g = -5 * torch.rand(2, 3, 64, 16, generator=gen, dtype=torch.float64)
+    for pivoted, exact in zip(_decayed_grams(q, k, g, True), _decayed_grams(q, k, g, False)):
+        torch.testing.assert_close(pivoted, exact, rtol=1e-10, atol=1e-12)
