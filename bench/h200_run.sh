@@ -142,15 +142,17 @@ if [[ $what == e2e ]]; then  # the FLA drop-in: TESTS, FLA's dispatch host cost,
     | grep -v -i warn | tail -14
 fi
 if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fwd+bwd rows, FLA's model trained
-  export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}  # every step's log also in $OUT (a time-out keeps it)
+  timeout 120 python3 bench/train_profile.py 2>&1 | grep -v -i warn | tee "$OUT/train_profile.txt" | head -24
   timeout ${TEST_LIMIT:-300} python3 -m pytest -q ${TESTS:-tests/test_autograd.py tests/test_api.py tests/test_fla_backend.py} \
-    -m "${TEST_MARK-not slow}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider 2>&1 | tail -12
-  timeout 150 python3 bench/grad_accuracy.py --json "$OUT/grad.json" 2>&1 | grep -v -i warn
+    -m "${TEST_MARK-not slow}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider >"$OUT/train_tests.log" 2>&1
+  tail -3 "$OUT/train_tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/train_tests.log" | head -12 | cut -c1-300
+  timeout 150 python3 bench/grad_accuracy.py --json "$OUT/grad.json" 2>&1 | grep -v -i warn | tee "$OUT/grad.txt"
   FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-240} python3 -m pytest -q bench/test_train.py ${TRAIN_K:+-k "$TRAIN_K"} \
     -p no:cacheprovider --flashkda-results "$OUT/train.json" --benchmark-disable-gc 2>&1 | tail -2
   python3 bench/report.py "$OUT/train.json" --markdown "$OUT/train_table.md" >/dev/null && cat "$OUT/train_table.md"
   [[ ${MODEL:-1} == 1 ]] && timeout ${E2E_LIMIT:-300} python3 bench/train_fla_model.py --json "$OUT/train_model.json" \
-    ${E2E_ARGS:-} 2>&1 | grep -v -i warn | tail -6
+    ${E2E_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/train_model.txt" | tail -6
 fi
 if [[ $what == all || $what == bench ]]; then
   # FLASHKDA_FLA_BACKEND=0: the FLA baselines must run FLA itself, not flashkda registered inside it.

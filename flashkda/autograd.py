@@ -289,7 +289,9 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             U = loc.u - loc.w @ states
             O = loc.qg @ states + loc.M @ U
             S_next = loc.decay[..., None] * states + loc.kd.transpose(-1, -2) @ U
-        found = torch.autograd.grad([O, S_next], wanted, [dO, dS_next], allow_unused=True)
+        # An output that no wanted input reaches (the next state when only q requires grad) has no graph.
+        pairs = [(out, up) for out, up in ((O, dO), (S_next, dS_next)) if out.requires_grad]
+        found = torch.autograd.grad([out for out, _ in pairs], wanted, [up for _, up in pairs], allow_unused=True)
         grads = {id(t): gr for t, gr in zip(wanted, found)}
     out = [None if t is None or not t.requires_grad else
            (grads.get(id(t)) if grads.get(id(t)) is not None else torch.zeros_like(t)) for t in leaves]

@@ -235,3 +235,20 @@ def test_decayed_grams_pivot_equals_exact():
     g = -5 * torch.rand(2, 3, 64, 16, generator=gen, dtype=torch.float64)
     for pivoted, exact in zip(_decayed_grams(q, k, g, True), _decayed_grams(q, k, g, False)):
         torch.testing.assert_close(pivoted, exact, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["q", "initial_state", "A_log"])
+def test_chunk_backward_one_input_requires_grad(name):
+    """Only one input requires grad (q reaches the output alone, the initial state both outputs)."""
+    kw = make_inputs(T=100, H=2, D=32, seed=13)
+    do, dht = _upstream(kw)
+    ref = grads64(kw, do, dht)[NAMES.index(name)]
+    flags = {f: kw[f] for f in FLAGS if f in kw}
+    opts = ChunkOptions(32 ** -0.5, True, True, -5.0, True, False, False, None, None)
+    leaf = kw[name].detach().clone().requires_grad_()
+    call = dict(kw, **{name: leaf})
+    o, ht = ChunkFunction.apply(lambda: kda_reference(**call, output_final_state=True), opts,
+                                *[call.get(n) for n in NAMES])
+    (got,) = torch.autograd.grad([t for t in (o, ht) if t.requires_grad],
+                                 [leaf], [u for t, u in ((o, do), (ht, dht)) if t.requires_grad])
+    assert rel_err(got, ref) <= 2e-5

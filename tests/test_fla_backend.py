@@ -115,11 +115,15 @@ def test_verifiers_reject_cpu_tensors():
     assert not ok and "cpu" in reason
 
 
-def test_verifiers_under_autograd():
-    """Training calls of the chunked entries are flashkda's (only the device is wrong here); decode
-    under autograd and FLA's inference-only intermediate states are not."""
+def test_verifiers_under_autograd(monkeypatch):
+    """Training calls of the chunked entries are flashkda's with FLASHKDA_FLA_TRAINING=1 (only the
+    device is wrong here), FLA's without; decode under autograd and FLA's inference-only
+    intermediate states never."""
     kw = _inputs(D=128)
     kw["q"].requires_grad_(True)
+    ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
+    assert not ok and integ.TRAINING_ENV_VAR in reason
+    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "1")
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
     assert not ok and "grad" not in reason and "cpu" in reason
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE, return_intermediate_states=True)
@@ -479,8 +483,10 @@ def test_gpu_unsupported_falls_back_to_fla(kernel_calls):
 
 
 @cuda
-def test_gpu_training_call_served(kernel_calls):
-    """A chunk_kda call that requires grad runs flashkda's kernels and records flashkda's backward."""
+def test_gpu_training_call_served(kernel_calls, monkeypatch):
+    """With FLASHKDA_FLA_TRAINING=1 a chunk_kda call that requires grad runs flashkda's kernels and
+    records flashkda's backward."""
+    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "1")
     n = len(kernel_calls)
     kw = _inputs(B=1, T=64, H=2, HV=2, D=128, device="cuda")
     kw["q"].requires_grad_(True)

@@ -124,7 +124,7 @@ def test_model_prefill_and_generate_served_and_accurate(monkeypatch, gate):
     assert agree_ours >= agree_fla - 2, (agree_ours, agree_fla, sum(LENS))
 
 
-def test_model_trains_on_flashkda():
+def test_model_trains_on_flashkda(monkeypatch):
     """bench/train_fla_model.py's runs: FLA's KDAForCausalLM (4 layers, hidden 2048, 16 heads x 128,
     packed 8 x 2048 tokens, 30 AdamW steps on bf16) trained with FLA's kernels (two data orders) and
     through flashkda's backend from the same seed: every KDA call of a profiled step runs flashkda's
@@ -135,6 +135,7 @@ def test_model_trains_on_flashkda():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from train_fla_model import train
 
+    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "1")
     fla0, fla1 = train("0", 0, 30, 4, "lower_bound"), train("0", 1, 30, 4, "lower_bound")
     ours = train("1", 0, 30, 4, "lower_bound")
     assert fla0["calls_served"] == 0 and fla0["fla_kda_kernels"] > 0

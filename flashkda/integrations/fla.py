@@ -13,9 +13,9 @@ does. :func:`register` adds a backend named ``"flashkda"`` for
 
 Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, including FLA's own
 ``flash_kda`` and ``flash_qla`` adapters. The verifiers accept exactly the calls that flashkda's CUDA
-kernels serve with FLA's semantics, training calls included; everything else (CPU tensors, head
-dims other than 64/128, float64, context parallelism, decode under autograd, ...) is rejected with a
-reason, logged once by FLA at INFO level, and runs FLA's Triton code as before. The decode entry
+kernels serve with FLA's semantics (training calls of the chunked entries with
+``FLASHKDA_FLA_TRAINING=1``); everything else (CPU tensors, head dims other than 64/128, float64,
+context parallelism, decode under autograd, ...) is rejected with a reason, logged once by FLA at INFO level, and runs FLA's Triton code as before. The decode entry
 registers no verifier, to keep FLA's per-call cost low: its implementation sends the calls the
 kernels take straight to them and hands the others, with the same arguments, to FLA's own function, logging the first reason at INFO (the
 rules: :func:`fused_recurrent_kda_fwd_verifier`). Results of served calls are those of
@@ -63,6 +63,7 @@ _is_compiling = torch.compiler.is_compiling
 __all__ = [
     "BACKEND_TYPE",
     "ENV_VAR",
+    "TRAINING_ENV_VAR",
     "PRIORITY",
     "register",
     "is_registered",
@@ -80,6 +81,10 @@ __all__ = [
 BACKEND_TYPE = "flashkda"
 #: ``FLASHKDA_FLA_BACKEND=0`` disables the backend.
 ENV_VAR = "FLASHKDA_FLA_BACKEND"
+#: ``FLASHKDA_FLA_TRAINING=1`` (read at call time) lets the chunked entries serve calls under
+#: autograd too. Off by default: flashkda's backward (PyTorch ops) is slower than FLA's Triton
+#: backward, so a model trained through FLA keeps FLA's kernels unless asked.
+TRAINING_ENV_VAR = "FLASHKDA_FLA_TRAINING"
 #: FLA tries lower priorities first; its built-ins use 0 (Ascend NPU), 3 (flash_kda) and 5 (default).
 PRIORITY = -10
 
@@ -128,8 +133,11 @@ def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes
                           state_v_first) -> Tuple[Optional[str], bool]:
     """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: context parallelism, their
     ``**kwargs``, ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of
-    them rejects the call) and the state layout. Calls under autograd are served (flashkda records
-    the graph and computes the gradients FLA's backward would)."""
+    them rejects the call) and the state layout. Calls under autograd are served only with
+    ``FLASHKDA_FLA_TRAINING=1`` (flashkda then records the graph and computes FLA's gradients)."""
+    if _needs_grad(*tensors) and os.environ.get(TRAINING_ENV_VAR, "0").strip() != "1":
+        return (f"an input requires grad: flashkda's backward is slower than FLA's ({TRAINING_ENV_VAR}=1 "
+                "serves training calls)"), state_v_first
     if cp_context is not None:
         return "context parallelism (cp_context) is not supported", state_v_first
     unknown = sorted(set(kwargs) - known_kwargs)
