@@ -257,10 +257,11 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             qp, kp = qp.repeat_interleave(HV // H, dim=2), kp.repeat_interleave(HV // H, dim=2)
 
         def chunks(x: torch.Tensor) -> torch.Tensor:
-            """[B, T, HV, D] -> [N, HV, J, C, D], zero past each sequence's end."""
+            """[B, T, HV, D] -> [N, HV, J, C, D], zero past each sequence's end; contiguous, so that
+            the elementwise work on it runs vectorized."""
             flat = x.reshape(B * T, HV, x.shape[-1])
             flat = torch.cat([flat, flat.new_zeros(1, HV, flat.shape[-1])])
-            return flat[rows].view(N, J, _CHUNK, HV, flat.shape[-1]).permute(0, 3, 1, 2, 4)
+            return flat[rows].view(N, J, _CHUNK, HV, flat.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()
 
         gc = chunks(gp)
         bounded = opts.use_gate_in_kernel and opts.lower_bound is not None
@@ -279,7 +280,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         dO = torch.zeros(B * T + 1, HV, V, dtype=f32, device=dev)
         if do is not None:
             dO[:-1] = do.reshape(B * T, HV, V)
-        dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4)
+        dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4).contiguous()
         dS_next, dS0 = _state_grad_scan(detached, D, dO, dS)
 
     wanted = [t for t in leaves if t is not None and t.requires_grad]
