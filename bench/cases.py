@@ -1,5 +1,5 @@
 """The benchmark cases and their required times, in one place (torch-free, so that
-bench/report.py runs anywhere). Times are median milliseconds on an H200 (shared/BENCH_SETUP.md)."""
+bench/report.py runs anywhere). Times are median milliseconds on an H200 (BENCHMARK_H200.md)."""
 
 # Prefill rows: case -> (sequence lengths, heads); B = 1, D = 128.
 PREFILL_ROWS = {

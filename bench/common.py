@@ -1,4 +1,4 @@
-"""Timing and bookkeeping shared by the microbenchmarks (method: shared/BENCH_SETUP.md)."""
+"""Timing and bookkeeping shared by the microbenchmarks (method: BENCHMARK_H200.md)."""
 
 from __future__ import annotations
 

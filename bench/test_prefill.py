@@ -1,4 +1,4 @@
-"""Prefill microbenchmarks (chunked prefill), set up as shared/BENCH_SETUP.md describes.
+"""Prefill microbenchmarks (chunked prefill), set up as BENCHMARK_H200.md's Prefill section describes.
 
 B = 1, K = V = 128, bf16 q/k/v/g/beta (raw: l2norm, gate and beta sigmoid in the kernel), lower-bound
 gate -5 with A_log [H] and dt_bias [H, K], safe_gate, fp32 V-first initial and final state,

@@ -302,7 +302,7 @@ void launch_recurrent(RecurrentParams& p, at::ScalarType elem, c10::DeviceIndex 
   TORCH_CHECK(err == cudaSuccess, "flashkda: recurrent kernel launch failed: ", cudaGetErrorString(err));
 }
 
-// Token-by-token recurrence, general path. Shapes and semantics: KDA_SPEC, fused_recurrent_kda. In
+// Token-by-token recurrence, general path. Shapes and semantics: docs/SPEC.md, fused_recurrent_kda. In
 // serving mode (ssm_state_indices given) `initial_state` is None and `final_state` is the slot pool,
 // read and written in place.
 void recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -675,7 +675,7 @@ int64_t auto_segment_chunks(int64_t chunks, int64_t chains, int64_t sms) {
   return best;
 }
 
-// Chunked forward (prefill). Shapes and semantics: KDA_SPEC, chunk_kda / chunk_gated_delta_rule;
+// Chunked forward (prefill). Shapes and semantics: docs/SPEC.md, chunk_kda / chunk_gated_delta_rule;
 // K == V == chunk::kHeadDim, bf16 or fp16 token tensors. The workspace (one record per chunk and
 // value head, plus the varlen chunk index) comes from PyTorch's caching allocator, so under
 // CUDA-graph capture it lives in the graph's private pool. value_split: blocks per (sequence,

@@ -1,4 +1,4 @@
-"""The public functions of the contract (``shared/KDA_SPEC.md``): validation, then dispatch.
+"""The public functions of the contract (``docs/SPEC.md``): validation, then dispatch.
 
 Every function validates its arguments first (``ValueError``/``TypeError`` naming the argument),
 then runs a CUDA kernel when the extension is present and the inputs are supported, and the

@@ -185,7 +185,7 @@ def test_import_reports_extension_state():
 needs_extension = pytest.mark.skipif(not _ext.HAS_EXTENSION, reason="needs the compiled extension")
 #: The fast entry's answer for inputs it would launch on, but on the CPU (kNotCuda in csrc/binding.cpp).
 PASSED_ALL_BUT_DEVICE = "q: not on a CUDA device"
-#: Errors of values that only a host copy shows: the CUDA path never syncs to look (KDA_SPEC), so
+#: Errors of values that only a host copy shows: the CUDA path never syncs to look (docs/SPEC.md, "Errors"), so
 #: the fast entry passes them, and on the CPU the general path raises them.
 VALUE_ONLY = {"cu_seqlens": ValueError, "pool has 4 slots": ValueError}
 

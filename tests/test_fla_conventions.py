@@ -1,4 +1,4 @@
-"""FLA 0.6's calling conventions (KDA_SPEC "Shapes" and "Keywords"), for all four public functions.
+"""FLA 0.6's calling conventions (docs/SPEC.md, "Tensors" and "Keywords"), for all four public functions.
 
 A. Gate parameters and inputs in the forms FLA accepts (A_log / dt_bias of any float dtype and shape
    holding the right number of elements, raw g and beta in any float dtype): accepted on every device,
@@ -198,7 +198,7 @@ def test_context_parallelism_is_not_implemented(gdn):
 @pytest.mark.parametrize("device", DEVICES)
 def test_return_intermediate_states(device, gdn):
     """Not implemented yet (prefix caching): NotImplementedError naming it. Once implemented, the result
-    is KDA_SPEC's (o, final_state, h), h[:, i] the state at the start of 64-token chunk i."""
+    is docs/SPEC.md's (o, final_state, h), h[:, i] the state at the start of 64-token chunk i."""
     kw = make_inputs(B=2, T=70, H=2, HV=4, D=128, gdn=gdn, dtype=BF16, device=device, seed=2)
     fn = public_fn("chunk", gdn)
     with torch.inference_mode():

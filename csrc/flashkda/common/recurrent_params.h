@@ -8,7 +8,7 @@ namespace flashkda {
 
 enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 enum class IndexType : int32_t { kInt32 = 0, kInt64 = 1 };
-// How the log decay is obtained from g (KDA_SPEC "Per-token preprocessing", step 3).
+// How the log decay is obtained from g (docs/SPEC.md, "Per-token preprocessing", step 3).
 enum class GateMode : int32_t {
   kPrecomputed = 0,  // g is already the natural-log decay
   kLowerBound = 1,   // lower_bound * sigmoid(exp(A_log) * (g + dt_bias))

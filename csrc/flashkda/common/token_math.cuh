@@ -1,5 +1,5 @@
 // Element access and per-token preprocessing shared by the recurrent and chunked kernels
-// (KDA_SPEC "Per-token preprocessing"). Device-only, framework-free.
+// (docs/SPEC.md, "Per-token preprocessing"). Device-only, framework-free.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -134,7 +134,7 @@ __device__ __forceinline__ int key_head(const Params& p, int hv) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-token preprocessing (KDA_SPEC steps 3 and 4)
+// Per-token preprocessing (docs/SPEC.md, "Per-token preprocessing", steps 3 and 4)
 // ---------------------------------------------------------------------------------------------
 
 // 2^x on the special-function unit, results below 2^-126 flushed to zero. __expf(x) is this of

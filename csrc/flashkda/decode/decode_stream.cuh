@@ -238,7 +238,7 @@ __device__ __forceinline__ Prepared prepare_token(const RecurrentParams& p, cons
   return t;
 }
 
-// One token's update of an item's rows (KDA_SPEC "Recurrence"); returns the output of row
+// One token's update of an item's rows (docs/SPEC.md, "The recurrence"); returns the output of row
 // sum_row(lane) on the lanes that write it. With the decayed state S_d = S ⊙ d:
 // sk = S_d k = S (d ⊙ k), sq = S (d ⊙ q), u = beta (v − sk), S = S_d + u kᵀ, o = sq + u (k·q).
 __device__ __forceinline__ float token_update(const Prepared& t, float v, float (&S)[kItemRows][4], int lane) {

@@ -1,4 +1,4 @@
-// Token-by-token KDA / GDN recurrence (KDA_SPEC "Recurrence"), one pass over the state per call.
+// Token-by-token KDA / GDN recurrence (docs/SPEC.md, "The recurrence"), one pass over the state per call.
 //
 // Decode reads and writes the whole state once per call and does a few FLOPs per state element, so
 // it is bound by memory: the state stays in fp32 registers for all tokens of a sequence, each

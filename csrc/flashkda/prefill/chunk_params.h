@@ -35,7 +35,7 @@ constexpr int kMaxGridRows = 65535;
 //   tinv  [kChunk][kChunk]   elem   T = (I + A)⁻¹ diag(β),  A = strict_tril(diag(β) (k e^{Γ})(k e^{−Γ})ᵀ)
 //   decay [kHeadDim]         fp32   e^{Γ_last}
 // The chunk's output and state update are then  U = T v − w S,  O = qd S + mqk U,
-// S ← decay ⊙ S + kdᵀ U  (KDA_SPEC "Reading").
+// S ← decay ⊙ S + kdᵀ U  (docs/SPEC.md, "The chunked form").
 struct WorkspaceLayout {
   static constexpr int64_t kMatBytes = int64_t(kChunk) * kHeadDim * 2;
   // The kSubChunks (kSubChunks + 1) / 2 blocks of kSubChunk x kSubChunk b16 elements on and below

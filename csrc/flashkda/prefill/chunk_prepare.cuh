@@ -2,7 +2,7 @@
 // chunks and value heads in parallel (one block of eight warps per (chunk, value head)). It writes
 // the workspace record described in chunk_params.h; chunk_recurrence then only multiplies.
 //
-// Decay without overflow (KDA_SPEC "Reading"). Inside a chunk the pairwise factor e^{Γi−Γj}
+// Decay without overflow (docs/SPEC.md, "The chunked form"). Inside a chunk the pairwise factor e^{Γi−Γj}
 // (j ≤ i, ≤ 1) is never formed from e^{−Γj} alone. Tokens are grouped in sub-chunks of 16; γ is
 // the log decay from the start of a token's sub-chunk (γ ∈ [τ_a, 0]) and τ_a the total of
 // sub-chunk a, per channel. Each sub-chunk gets a per-channel pivot h_a = τ_a / 2 and the A / M
