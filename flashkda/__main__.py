@@ -1,5 +1,6 @@
-"""``python -m flashkda``: run a small KDA workload (prefill, then decode from a slot pool) on CUDA
-when present, else on the CPU reference; check it against the fp64 recurrence and print a table."""
+"""``python -m flashkda``: say whether the CUDA extension is built and which kernels serve on each
+visible GPU, then run a small KDA workload (prefill, then decode from a slot pool) on CUDA when
+present, else on the CPU reference, check it against the fp64 recurrence and print a table."""
 
 from __future__ import annotations
 
@@ -41,11 +42,62 @@ def _timed(fn, device: torch.device, repeats: int):
     return times[len(times) // 2]
 
 
+def describe() -> list:
+    """Lines saying whether the CUDA extension is built and what would serve prefill and decode on
+    each visible GPU (or that the reference serves everything)."""
+    lines = [f"flashkda {flashkda.__version__}, torch {torch.__version__}"]
+    if _ext.HAS_EXTENSION:
+        lines.append(f"CUDA extension: built ({_ext._C.__file__})")
+    else:
+        lines.append(f"CUDA extension: not built ({_ext.EXTENSION_ERROR}); every call runs the PyTorch reference")
+    if _ext.config.force_reference:
+        lines.append("FLASHKDA_FORCE_REFERENCE=1: every call runs the PyTorch reference")
+    if not torch.cuda.is_available():
+        lines.append("GPU: none visible; every call runs the PyTorch reference")
+        return lines
+    for index in range(torch.cuda.device_count()):
+        name, cc = torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+        head = f"GPU {index}: {name} (compute capability {cc[0]}.{cc[1]})"
+        if not _ext.HAS_EXTENSION:
+            lines.append(f"{head}: the PyTorch reference (no extension)")
+            continue
+        reason = _ext.device_shortfall(index)
+        if reason is not None:
+            lines.append(f"{head}: the PyTorch reference ({reason})")
+            continue
+        family = _ext.config.kernel_family
+        smem = _ext.chunk_smem_shortfall(index)
+        if smem is not None:
+            prefill = f"the token-by-token kernel ({smem})"
+        else:
+            prefill = ("the chunked kernels (chunk_prepare + chunk_recurrence) for K = V = 128 with bf16 / fp16 "
+                       "inputs, the token-by-token kernel for K = V = 64 or fp32 inputs")
+            if family != "sm80" and cc >= (9, 0):
+                prefill += "; the recurrence on wgmma with bulk copies where the build has sm_90a code"
+        if family == "sm80":
+            decode = "the token-by-token kernel (FLASHKDA_KERNEL_FAMILY=sm80)"
+        else:
+            decode = ("V-first K = V = 128 pools: the streaming kernels (fp32 pools; bf16 pools with one token per "
+                      "sequence)" + (", the bulk-copy kernel (other bf16 pools)" if cc >= (9, 0) else "") +
+                      "; the token-by-token kernel otherwise")
+        lines.append(f"{head}, kernel family {family}:")
+        lines += [f"  prefill: {prefill}", f"  decode: {decode}",
+                  "  other head sizes, float64: the PyTorch reference; training: the kernels' forward and a "
+                  "PyTorch backward"]
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashkda", description=__doc__)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the workload runs: 'cuda' (default when a GPU is visible), 'cuda:N' or 'cpu'")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    ap.add_argument("--info", action="store_true",
+                    help="only say whether the extension is built and which kernels serve on each GPU")
     args = ap.parse_args(argv)
+    print("\n".join(describe()))
+    if args.info:
+        return 0
     dev = torch.device(args.device)
     on_cuda = dev.type == "cuda"
     torch.manual_seed(args.seed)
