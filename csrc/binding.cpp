@@ -90,9 +90,8 @@ void set_kernel_family(int64_t family) {
   g_kernel_family.store(int32_t(family), std::memory_order_relaxed);
 }
 
-int64_t get_kernel_family() { return g_kernel_family.load(std::memory_order_relaxed); }
 
-KernelFamily kernel_family() { return static_cast<KernelFamily>(get_kernel_family()); }
+KernelFamily kernel_family() { return static_cast<KernelFamily>(g_kernel_family.load(std::memory_order_relaxed)); }
 
 // Per-device facts are cached for the first kMaxCachedDevices devices and asked every call beyond.
 constexpr int kMaxCachedDevices = 64;
@@ -995,7 +994,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_kernel_family", &flashkda::set_kernel_family,
         "kernel family for every later call in this process: 0 auto, 80 sm_80 kernels, 90 sm_90 kernels where "
         "they apply");
-  m.def("get_kernel_family", &flashkda::get_kernel_family, "the kernel family set last (0, 80 or 90)");
   m.def("kernel_image_reason", &flashkda::kernel_image_reason,
         "why CUDA device `device` cannot run this build's kernels, or None (asked once per device)");
   m.def("chunk_smem_bytes", &flashkda::chunk_smem_bytes,

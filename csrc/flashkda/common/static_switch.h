@@ -2,17 +2,6 @@
 // that kernels are selected without if/else ladders at every call site.
 #pragma once
 
-#define FLASHKDA_BOOL_SWITCH(COND, CONST_NAME, ...) \
-  [&] {                                             \
-    if (COND) {                                     \
-      constexpr static bool CONST_NAME = true;      \
-      return __VA_ARGS__();                         \
-    } else {                                        \
-      constexpr static bool CONST_NAME = false;     \
-      return __VA_ARGS__();                         \
-    }                                               \
-  }()
-
 // Head dimensions with compiled kernels (K == V). Keep in sync with KERNEL_HEAD_DIMS in
 // flashkda/_constants.py.
 #define FLASHKDA_HEAD_DIM_SWITCH(DIM, CONST_NAME, ...)            \
