@@ -536,9 +536,10 @@ def _chunk_with_grad(fn, p: _Problem, q, k, v, g, beta, A_log, dt_bias, initial_
 
 def _recurrent(fn, scalar_gate, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
-               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out):
+               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out, cu_seqlens_cpu=None):
     p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
-                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=None, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
+                  A_log=A_log,
                   dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                   allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
                   ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out)
@@ -647,9 +648,10 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                         state_v_first=False, cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
-                        out=None, *, transpose_state_layout=None):
-    if _fast is not None and transpose_state_layout is None and not (_ext.config.force_reference or _ext.config.debug) \
-            and not _is_compiling():
+                        out=None, *, transpose_state_layout=None, cu_seqlens_cpu=None, safe_gate=False, chunk_size=None,
+                        disable_recompute=False):
+    if _fast is not None and transpose_state_layout is None and cu_seqlens_cpu is None and not (
+            _ext.config.force_reference or _ext.config.debug) and not _is_compiling():
         r = _fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
                   cu_seqlens, ssm_state_indices, num_accepted_tokens, out, False)
@@ -659,7 +661,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     return _recurrent("fused_recurrent_kda", False, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
                       output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                       allow_neg_eigval, lower_bound, _state_v_first(state_v_first, transpose_state_layout),
-                      cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
+                      cu_seqlens, ssm_state_indices, num_accepted_tokens, out, cu_seqlens_cpu)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
@@ -667,13 +669,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None,
                                      use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                                      allow_neg_eigval=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                                      ssm_state_indices=None, num_accepted_tokens=None, out=None, *, gk=None, gv=None,
-                                     transpose_state_layout=None):
+                                     transpose_state_layout=None, cu_seqlens_cpu=None, safe_gate=False, chunk_size=None,
+                                     disable_recompute=False):
     for name, t in (("gk", gk), ("gv", gv)):
         if t is not None:
             raise NotImplementedError(f"flashkda: fused_recurrent_gated_delta_rule does not support {name} "
                                       "(per-key / per-value gates; fused_recurrent_kda takes a per-key gate)")
-    if _fast is not None and transpose_state_layout is None and not (_ext.config.force_reference or _ext.config.debug) \
-            and not _is_compiling():
+    if _fast is not None and transpose_state_layout is None and cu_seqlens_cpu is None and not (
+            _ext.config.force_reference or _ext.config.debug) and not _is_compiling():
         r = _fast(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                   use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
                   cu_seqlens, ssm_state_indices, num_accepted_tokens, out, True)
@@ -684,7 +687,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, A_log=None, dt_bias=None,
                       initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                       use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
                       _state_v_first(state_v_first, transpose_state_layout), cu_seqlens, ssm_state_indices,
-                      num_accepted_tokens, out)
+                      num_accepted_tokens, out, cu_seqlens_cpu)
 
 
 _CHUNK_EXTRA = """
@@ -740,6 +743,11 @@ _RECURRENT_EXTRA = """
             skipped the same way (``FLASHKDA_DEBUG=1`` raises instead).
         num_accepted_tokens: int32/int64 ``[N]``, speculative decoding (with ``[N, T_max]`` indices).
         out: optional ``[B, T, HV, V]`` contiguous buffer (dtype of ``v``) that receives the output.{gdn_extra}
+
+    Keyword only: ``transpose_state_layout`` (deprecated alias of ``state_v_first``);
+    ``cu_seqlens_cpu``, a host copy of ``cu_seqlens`` whose offsets are then checked (no device read);
+    and the chunked function's ``safe_gate``, ``chunk_size`` and ``disable_recompute``, which model code
+    passes to both entries: accepted, as FLA accepts them here, and none changes a decode result.
 
     Returns:
         ``(o, final_state)``. In serving mode ``final_state`` is the pool itself; otherwise a new float32

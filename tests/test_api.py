@@ -643,3 +643,17 @@ def test_chunk_segment_switch(monkeypatch):
         monkeypatch.setenv("FLASHKDA_CHUNK_SEGMENT", bad)
         with pytest.raises(ValueError, match="FLASHKDA_CHUNK_SEGMENT"):
             _ext.Config.from_env()
+
+
+@pytest.mark.parametrize("gdn", [False, True])
+def test_decode_takes_the_chunked_functions_keywords(gdn):
+    """Model code passes the chunked function's keywords to decode too (FLA accepts them there):
+    safe_gate, chunk_size and disable_recompute change nothing; cu_seqlens_cpu is checked."""
+    kw = make_inputs(lens=[3, 1, 0], H=2, D=16, gdn=gdn, seed=0)
+    fn = public_fn("recurrent", gdn)
+    o1, s1 = fn(**kw, output_final_state=True)
+    o2, s2 = fn(**kw, output_final_state=True, safe_gate=True, chunk_size=64, disable_recompute=True,
+                cu_seqlens_cpu=kw["cu_seqlens"].cpu())
+    assert torch.equal(o1, o2) and torch.equal(s1, s2)
+    with pytest.raises(ValueError, match="cu_seqlens_cpu"):
+        fn(**kw, cu_seqlens_cpu=torch.tensor([0, 2, 5, 5], dtype=torch.int32))
