@@ -380,16 +380,32 @@ def _state_v_first(state_v_first: bool, transpose_state_layout) -> bool:
 _KDA_CHUNK_SIZES, _GDN_CHUNK_SIZES = (32, 64), (16, 32, 64)
 
 
-def _fla_chunk_options(fn: str, chunk_sizes, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens) -> None:
+def _fla_chunk_options(fn: str, chunk_sizes, chunk_size, use_graph, max_num_seqs, cu_seqlens) -> None:
     """FLA's keywords of the chunked functions: checked as FLA checks them; none changes the result."""
     if chunk_size not in chunk_sizes:
         raise ValueError(f"flashkda: chunk_size must be one of {chunk_sizes} for {fn}, got {chunk_size!r}")
-    if cp_context is not None:
-        raise NotImplementedError(f"flashkda: {fn} does not support context parallelism (cp_context)")
     if (use_graph and max_num_seqs is not None and isinstance(cu_seqlens, torch.Tensor)
             and cu_seqlens.shape[0] - 1 != max_num_seqs):
         raise ValueError(f"flashkda: use_graph with max_num_seqs={max_num_seqs} needs cu_seqlens of "
                          f"max_num_seqs + 1 entries, got {cu_seqlens.shape[0]}")
+
+
+def _chunk_with_context(fn, public, cp_context, q, k, v, g, beta, initial_state, output_final_state, state_v_first,
+                        return_intermediate_states, checkpoint_pool, ssm_state_indices, **kw):
+    """A chunked call under context parallelism (:mod:`flashkda.cp`), with FLA's restrictions."""
+    for name, value in (("initial_state", initial_state), ("output_final_state", output_final_state or None),
+                        ("return_intermediate_states", return_intermediate_states or None),
+                        ("checkpoint_pool", checkpoint_pool), ("ssm_state_indices", ssm_state_indices)):
+        if value is not None:
+            raise ValueError(f"flashkda: {fn} with cp_context takes no {name} (the context's ranks share the states)")
+    if getattr(cp_context, "cu_seqlens", None) is None:
+        raise ValueError(f"flashkda: {fn}: cp_context must be a context with this rank's cu_seqlens (FLA's "
+                         f"FLACPContext or flashkda.cp.build_context), got {type(cp_context).__name__}")
+    if _needs_grad(q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias")):
+        raise NotImplementedError(f"flashkda: {fn} with cp_context is forward-only for now; an input requires grad")
+    from flashkda.cp import chunk_with_context
+
+    return chunk_with_context(public, cp_context, q, k, v, g, beta, state_v_first=state_v_first, **kw)
 
 
 def _num_chunks_total(p: _Problem, cu_seqlens, cu_seqlens_cpu) -> int:
@@ -611,7 +627,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
             return r
         log.debug("flashkda: chunk_kda takes the general path: %s", r)
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
-    _fla_chunk_options("chunk_kda", _KDA_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs, cu_seqlens)
+    _fla_chunk_options("chunk_kda", _KDA_CHUNK_SIZES, chunk_size, use_graph, max_num_seqs, cu_seqlens)
+    if cp_context is not None:
+        return _chunk_with_context(
+            "chunk_kda", chunk_kda, cp_context, q, k, v, g, beta, initial_state, output_final_state, state_v_first,
+            return_intermediate_states, checkpoint_pool, ssm_state_indices, scale=scale,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias)
     return _chunk("chunk_kda", False, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                   safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
@@ -636,8 +659,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             return r
         log.debug("flashkda: chunk_gated_delta_rule takes the general path: %s", r)
     state_v_first = _state_v_first(state_v_first, transpose_state_layout)
-    _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, cp_context, use_graph, max_num_seqs,
-                       cu_seqlens)
+    _fla_chunk_options("chunk_gated_delta_rule", _GDN_CHUNK_SIZES, chunk_size, use_graph, max_num_seqs, cu_seqlens)
+    if cp_context is not None:
+        return _chunk_with_context(
+            "chunk_gated_delta_rule", chunk_gated_delta_rule, cp_context, q, k, v, g, beta, initial_state,
+            output_final_state, state_v_first, return_intermediate_states, checkpoint_pool, ssm_state_indices,
+            scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias)
     return _chunk("chunk_gated_delta_rule", True, q, k, v, g, beta, scale, initial_state, output_final_state,
                   use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                   safe_gate, lower_bound, state_v_first, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
@@ -698,8 +727,13 @@ _CHUNK_EXTRA = """
     FLA's keywords, keyword only, none of which changes the result: ``chunk_size`` ({chunk_sizes}, as
     FLA accepts; others raise ValueError), ``disable_recompute`` and ``use_graph`` / ``max_num_seqs``
     (options of FLA's training and graph paths; ``max_num_seqs`` is checked against ``cu_seqlens`` as
-    FLA does){gdn_extra}. A ``cp_context`` raises NotImplementedError; any other keyword raises
-    TypeError.
+    FLA does){gdn_extra}; any other keyword raises TypeError.
+
+    Context parallelism, keyword only: ``cp_context``, FLA's ``FLACPContext`` or flashkda's own
+    (:func:`flashkda.cp.build_context`): this rank's ``[1, T / world_size, ...]`` slice of a packed
+    batch whose sequences may straddle ranks; the result on every rank is its slice of the
+    single-device result. FLA's restrictions: no ``initial_state``, ``output_final_state`` or
+    states at chunk starts; ``cu_seqlens`` comes from the context. Forward only for now.
 
     States at chunk starts (prefix caching), keyword only:
         return_intermediate_states: also return ``h`` (FLA's semantics): ``h[:, i]`` is the state at

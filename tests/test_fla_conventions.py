@@ -189,9 +189,14 @@ def test_chunk_size_outside_flas_choices_is_rejected(gdn, size):
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["kda", "gdn"])
-def test_context_parallelism_is_not_implemented(gdn):
-    with pytest.raises(NotImplementedError, match="cp_context"):
-        public_fn("chunk", gdn)(**_inputs("cpu", gdn), cp_context=object())
+def test_context_parallelism_restrictions(gdn):
+    """FLA's restrictions under cp_context (tests/test_cp.py runs it on process groups)."""
+    kw = _inputs("cpu", gdn)
+    with pytest.raises(ValueError, match="initial_state"):
+        public_fn("chunk", gdn)(**kw, cp_context=object())
+    kw.pop("initial_state")
+    with pytest.raises(ValueError, match="cp_context must be a context"):
+        public_fn("chunk", gdn)(**kw, cp_context=object())
 
 
 @pytest.mark.parametrize("gdn", [False, True], ids=["kda", "gdn"])

@@ -13,14 +13,15 @@ does. :func:`register` adds a backend named ``"flashkda"`` for
 
 Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, including FLA's own
 ``flash_kda`` and ``flash_qla`` adapters. The verifiers accept exactly the calls that flashkda's CUDA
-kernels serve with FLA's semantics (training calls of the chunked entries with
-``FLASHKDA_FLA_TRAINING=1``); everything else (CPU tensors, head dims other than 64/128, float64,
-context parallelism, decode under autograd, ...) is rejected with a reason, logged once by FLA at INFO level, and runs FLA's Triton code as before. The decode entry
-registers no verifier, to keep FLA's per-call cost low: its implementation sends the calls the
-kernels take straight to them and hands the others, with the same arguments, to FLA's own function, logging the first reason at INFO (the
-rules: :func:`fused_recurrent_kda_fwd_verifier`). Results of served calls are those of
-:func:`flashkda.chunk_kda` / :func:`flashkda.fused_recurrent_kda` /
-:func:`flashkda.chunk_gated_delta_rule`, returned in FLA's format (see the functions of the same
+kernels serve with FLA's semantics, context parallelism (``cp_context``) included, and training
+calls of the chunked entries with ``FLASHKDA_FLA_TRAINING=1``; everything else (CPU tensors, head
+dims other than 64/128, float64, context parallelism or decode under autograd, ...) is rejected
+with a reason, logged once by FLA at INFO level, and runs FLA's Triton code as before. The decode
+entry registers no verifier, to keep FLA's per-call cost low: its implementation sends the calls
+the kernels take straight to them and hands the others, with the same arguments, to FLA's own
+function, logging the first reason at INFO (the rules: :func:`fused_recurrent_kda_fwd_verifier`).
+Results of served calls are those of :func:`flashkda.chunk_kda` / :func:`flashkda.fused_recurrent_kda`
+/ :func:`flashkda.chunk_gated_delta_rule`, returned in FLA's format (see the functions of the same
 names in this module).
 
 Usage::
@@ -131,15 +132,15 @@ def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, 
 
 def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes,
                           state_v_first) -> Tuple[Optional[str], bool]:
-    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: context parallelism, their
-    ``**kwargs``, ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of
+    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: context parallelism under
+    autograd, their ``**kwargs``, ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of
     them rejects the call) and the state layout. Calls under autograd are served only with
     ``FLASHKDA_FLA_TRAINING=1`` (flashkda then records the graph and computes FLA's gradients)."""
     if _needs_grad(*tensors) and os.environ.get(TRAINING_ENV_VAR, "0").strip() != "1":
         return (f"an input requires grad: flashkda's backward is slower than FLA's ({TRAINING_ENV_VAR}=1 "
                 "serves training calls)"), state_v_first
-    if cp_context is not None:
-        return "context parallelism (cp_context) is not supported", state_v_first
+    if cp_context is not None and _needs_grad(*tensors):
+        return "cp_context with an input that requires grad (flashkda's is forward-only)", state_v_first
     unknown = sorted(set(kwargs) - known_kwargs)
     if unknown:
         return f"keyword arguments {unknown} are not supported", state_v_first
@@ -150,6 +151,15 @@ def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes
             return "both state_v_first and the deprecated transpose_state_layout are given", state_v_first
         state_v_first = bool(kwargs["transpose_state_layout"])
     return None, state_v_first
+
+
+def _context_reason(cp_context, initial_state, states_out) -> Optional[str]:
+    """FLA's restrictions under context parallelism (FLA asserts them), or None."""
+    if getattr(cp_context, "cu_seqlens", None) is None:
+        return "cp_context without cu_seqlens (FLA asserts it)"
+    if initial_state is not None or states_out:
+        return "cp_context with initial_state or states to return (FLA asserts neither is given)"
+    return None
 
 
 def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -164,6 +174,11 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
                                                   kwargs, _CHUNK_KWARGS, _api._KDA_CHUNK_SIZES, state_v_first)
     if reason is not None:
         return reason
+    if cp_context is not None:
+        why = _context_reason(cp_context, initial_state, output_final_state or return_intermediate_states)
+        if why is not None:
+            return why
+        cu_seqlens, cu_seqlens_cpu = cp_context.cu_seqlens, cp_context.cu_seqlens_cpu
     if return_intermediate_states and _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return "return_intermediate_states with an input that requires grad (FLA asserts inference mode)"
     if use_gate_in_kernel:
@@ -195,6 +210,11 @@ def _chunk_gated_delta_rule_reason(q, k, v, g, beta, scale=None, initial_state=N
                                                   kwargs, _GDN_CHUNK_KWARGS, _api._GDN_CHUNK_SIZES, state_v_first)
     if reason is not None:
         return reason
+    if cp_context is not None:
+        why = _context_reason(cp_context, initial_state, output_final_state)
+        if why is not None:
+            return why
+        cu_seqlens, cu_seqlens_cpu = cp_context.cu_seqlens, cp_context.cu_seqlens_cpu
     if use_gate_in_kernel and A_log is None:
         return "use_gate_in_kernel=True needs A_log (FLA asserts it)"
     return _kernel_reason("chunk_gated_delta_rule", q, k, v, g, beta, initial_state=initial_state, A_log=A_log,
@@ -386,7 +406,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log, dt_bias=dt_bias,
-        return_intermediate_states=return_intermediate_states)
+        return_intermediate_states=return_intermediate_states, cp_context=cp_context)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -408,7 +428,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, A_log=A_log,
-        dt_bias=dt_bias, chunk_size=kwargs.get("chunk_size", 64))
+        dt_bias=dt_bias, chunk_size=kwargs.get("chunk_size", 64), cp_context=cp_context)
 
 
 def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,

@@ -1,0 +1,155 @@
+"""Context parallelism on the CPU: gloo process groups of 2 and 3 ranks (torch.multiprocessing), each
+rank running chunk_kda / chunk_gated_delta_rule on its slice of a packed batch under a cp_context;
+every rank's output must equal its slice of the single-process result. Cases: a sequence
+straddling two and three ranks, ranks holding only whole sequences, empty sequences."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import flashkda
+from flashkda.cp import build_context
+
+from helpers import CHUNK_TOL, HAS_CUDA_KERNELS, make_inputs, rel_err
+
+# (name, world size, sequence lengths, gdn, state_v_first, gate)
+CASES = [
+    ("straddles_two", 2, [100, 80], False, True, "lower_bound"),
+    ("whole_sequences_only", 2, [60, 30, 90], False, False, "softplus"),
+    ("straddles_three", 3, [150, 10, 20], False, True, "precomputed"),
+    ("mixed_with_empty", 3, [0, 70, 50, 0, 60], True, True, "softplus"),
+    ("gdn_straddles_three", 3, [5, 170, 5], True, False, "lower_bound"),
+]
+
+
+try:
+    from fla.ops.cp import build_cp_context as _fla_context
+except Exception:  # noqa: BLE001 - FLA not installed: flashkda's own context only
+    _fla_context = None
+
+
+def ctx_cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _inputs(lens, gdn, state_v_first, gate, device="cpu"):
+    """CPU: fp32, D = 16 (the reference); GPU: bf16, D = 128 (the kernels)."""
+    gpu = device != "cpu"
+    return make_inputs(lens=lens, H=2, HV=4, D=128 if gpu else 16, gdn=gdn, gate=gate, state=False,
+                       state_v_first=state_v_first, dtype=torch.bfloat16 if gpu else torch.float32, device=device,
+                       seed=sum(lens) + len(lens))
+
+
+def _call(kw, gdn, **extra):
+    fn = flashkda.chunk_gated_delta_rule if gdn else flashkda.chunk_kda
+    return fn(**kw, **extra)
+
+
+def _worker(rank, world, init_file, out_dir, cases, gpu=False):
+    if gpu:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for name, _, lens, gdn, v_first, gate in cases:
+            kw = _inputs(lens, gdn, v_first, gate, f"cuda:{rank}" if gpu else "cpu")
+            ctx = build_context(kw.pop("cu_seqlens"))
+            part = sum(lens) // world
+            for key in ("q", "k", "v", "g", "beta"):
+                kw[key] = kw[key][:, rank * part:(rank + 1) * part]
+            o, ht = _call(kw, gdn, cp_context=ctx)
+            assert ht is None
+            fla_o = None
+            if _fla_context is not None:  # FLA's own context object serves the same call
+                fla_o, _ = _call(kw, gdn, cp_context=_fla_context(ctx_cu(lens), group=dist.group.WORLD))
+            o, fla_o = o.cpu(), None if fla_o is None else fla_o.cpu()
+            torch.save(dict(o=o, fla_o=fla_o, pre=ctx.pre_num_ranks, post=ctx.post_num_ranks,
+                            cu=ctx.cu_seqlens_cpu.tolist()), os.path.join(out_dir, f"{name}_{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_and_compare(world, cases, gpu, tol):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cases, gpu), nprocs=world, join=True)
+        for name, _, lens, gdn, v_first, gate in cases:
+            kw = _inputs(lens, gdn, v_first, gate, "cuda:0" if gpu else "cpu")
+            want, _ = _call(kw, gdn)
+            part = sum(lens) // world
+            for rank in range(world):
+                got = torch.load(os.path.join(tmp, f"{name}_{rank}.pt"))
+                err = rel_err(got["o"], want[:, rank * part:(rank + 1) * part])
+                assert err <= tol, f"{name}, rank {rank}: error {err:.2e} (pre {got['pre']}, post {got['post']})"
+                if got["fla_o"] is not None:
+                    assert torch.equal(got["fla_o"], got["o"]), f"{name}, rank {rank}: FLA's context differs"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_matches_one_process(world):
+    _run_and_compare(world, [c for c in CASES if c[1] == world], gpu=False, tol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not HAS_CUDA_KERNELS, reason="needs 2 GPUs and the extension")
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_context_parallel_on_gpus(world, monkeypatch):
+    """NCCL, one process per GPU, the kernels on every rank (NVLink multicast off)."""
+    if world > torch.cuda.device_count():
+        pytest.skip(f"needs {world} GPUs")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    cases = [(n, world, lens, gdn, v_first, gate) for n, _, lens, gdn, v_first, gate in CASES
+             if sum(lens) % world == 0] + [("long", world, [64 * 60 * world - 100, 100], False, True, "lower_bound")]
+    _run_and_compare(world, cases, gpu=True, tol=CHUNK_TOL[torch.bfloat16][0])
+
+
+def test_context_of_each_rank():
+    """build_context's fields (FLA's FLACPContext semantics) for three ranks of 60 tokens:
+    lengths 150, 10, 20 (the first sequence on ranks 0-2)."""
+    cu = torch.tensor([0, 150, 160, 180], dtype=torch.int32)
+    want = {0: ([0, 60], 0, 2), 1: ([0, 60], 1, 1), 2: ([0, 30, 40, 60], 2, 0)}
+    for rank, (local, pre, post) in want.items():
+        ctx = _context_as(rank, 3, cu)
+        assert ctx.cu_seqlens_cpu.tolist() == local and (ctx.pre_num_ranks, ctx.post_num_ranks) == (pre, post)
+        assert ctx.is_first_rank == (pre == 0) and ctx.is_last_rank == (post == 0)
+
+
+@pytest.mark.skipif(_fla_context is None, reason="needs fla-core")
+@pytest.mark.parametrize("lens", [[150, 10, 20], [60, 30, 90], [0, 70, 50, 0, 60]])
+def test_context_equals_fla(lens):
+    """build_context gives FLA's context fields for every rank."""
+    from fla.ops.cp.context import get_cp_cu_seqlens
+
+    cu = ctx_cu(lens)
+    for world in (2, 3):
+        for rank in range(world):
+            ours = _context_as(rank, world, cu)
+            theirs = get_cp_cu_seqlens(cu, world_size=world, rank=rank)
+            assert ours.cu_seqlens_cpu.tolist() == theirs.cu_seqlens_cpu.tolist()
+            assert (ours.pre_num_ranks, ours.post_num_ranks, ours.is_first_rank, ours.is_last_rank) == (
+                theirs.pre_num_ranks, theirs.post_num_ranks, theirs.is_first_rank, theirs.is_last_rank)
+
+
+def _context_as(rank, world, cu):
+    from unittest import mock
+
+    with mock.patch.object(dist, "get_world_size", return_value=world), \
+            mock.patch.object(dist, "get_rank", return_value=rank):
+        return build_context(cu)
+
+
+def test_context_restrictions():
+    kw = make_inputs(T=60, H=2, D=16, seed=1)
+    ctx = _context_as(0, 1, torch.tensor([0, 60], dtype=torch.int32))
+    with pytest.raises(ValueError, match="initial_state"):
+        flashkda.chunk_kda(**kw, cp_context=ctx)
+    kw.pop("initial_state")
+    with pytest.raises(ValueError, match="output_final_state"):
+        flashkda.chunk_kda(**kw, cp_context=ctx, output_final_state=True)
+    kw["q"].requires_grad_()
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        flashkda.chunk_kda(**kw, cp_context=ctx)
+    with pytest.raises(ValueError, match="multiple of the number of ranks"):
+        _context_as(0, 7, torch.tensor([0, 60], dtype=torch.int32))
