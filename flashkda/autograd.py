@@ -175,22 +175,107 @@ class _Local(NamedTuple):
     kd: torch.Tensor  # [.., C, K] k e^{Γ_C − Γ}
     w: torch.Tensor  # [.., C, K] T (k e^Γ)
     u: torch.Tensor  # [.., C, V] T v
-    M: torch.Tensor  # [.., C, C]
+    M: torch.Tensor  # [.., C, C] tril(q kᵀ ⊙ e^{Γi−Γj})
     decay: torch.Tensor  # [.., K] e^{Γ_C}
+    kg: torch.Tensor  # [.., C, K] k e^Γ
+    A: torch.Tensor  # [.., C, C] strict_tril(k kᵀ ⊙ e^{Γi−Γj}), before diag(β)
+    L: torch.Tensor  # [.., C, C] (I + diag(β) A)⁻¹
+    T: torch.Tensor  # [.., C, C] L diag(β)
 
 
 def _chunk_local(q, k, v, g, beta, pivot: bool) -> _Local:
     """Every chunk's local quantities from preprocessed ``q, k, g [.., C, K]``, ``v [.., C, V]``,
     ``beta [.., C]`` (fp32); ``pivot``: see :func:`_decayed_grams`."""
-    G = g.cumsum(-2)
     M, A = _decayed_grams(q, k, g, pivot)
     eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
     # (I + diag(β) A)⁻¹ by a unit lower-triangular solve (A is strictly lower).
     L = torch.linalg.solve_triangular(beta[..., :, None] * A, eye.expand_as(A), upper=False, unitriangular=True)
     T = L * beta[..., None, :]
-    eG = G.exp()
-    return _Local(qg=q * eG, kd=k * _exclusive_suffix_sums(g).exp(), w=T @ (k * eG), u=T @ v, M=M,
-                  decay=eG[..., -1, :])
+    eG = g.cumsum(-2).exp()
+    kg = k * eG
+    return _Local(qg=q * eG, kd=k * _exclusive_suffix_sums(g).exp(), w=T @ kg, u=T @ v, M=M, decay=eG[..., -1, :],
+                  kg=kg, A=A, L=L, T=T)
+
+
+def _exclusive_prefix_sums(x: torch.Tensor) -> torch.Tensor:
+    """``Σ_{i < t} x_i`` along dim -2."""
+    return torch.cat([torch.zeros_like(x[..., :1, :]), x[..., :-1, :].cumsum(-2)], dim=-2)
+
+
+def _suffix_sums(x: torch.Tensor) -> torch.Tensor:
+    """``Σ_{i >= t} x_i`` along dim -2."""
+    return x.flip(-2).cumsum(-2).flip(-2)
+
+
+def _gram_grads(dZ: torch.Tensor, x: torch.Tensor, y: torch.Tensor, g: torch.Tensor, pivot: bool):
+    """For ``Z_ij = Σ_c x_ic y_jc e^{Σ_{j<t<=i} g_tc}`` (``j <= i``) and its gradient ``dZ`` (zero where
+    Z is not defined): ``(dx, dy, dg)``, in the blocks of :func:`_decayed_grams`. Each block's
+    gradient in ``g`` follows the sums that block's factors are made of (a token's log decay gets the
+    terms of the pairs it lies between), never differences of whole-chunk sums: those cancel, and
+    lose the small gradients of strongly decayed chunks."""
+    *lead, Cn, K = x.shape
+    bs = _PIVOT_BLOCK if pivot else _EXACT_BLOCK
+    nb = Cn // bs
+    xb, yb, gb = (t.reshape(*lead, nb, bs, K) for t in (x, y, g))
+    dZd = torch.stack([dZ[..., b * bs:(b + 1) * bs, b * bs:(b + 1) * bs] for b in range(nb)], dim=-3)
+    if pivot:  # X = x e^{γ−h}, Y = y e^{h−γ}: γ the decay from the block start, h half the block's
+        gamma = gb.cumsum(-2)
+        half = gamma[..., -1:, :] * 0.5
+        X, Y = xb * (gamma - half).exp(), yb * (half - gamma).exp()
+        dX, dY = dZd @ Y, dZd.transpose(-1, -2) @ X
+        dx, dy = dX * (gamma - half).exp(), dY * (half - gamma).exp()
+        dgamma = dX * X - dY * Y
+        dg = _suffix_sums(dgamma) - 0.5 * dgamma.sum(-2, keepdim=True)
+    else:  # W_ij = dZ_ij x_i y_j e^{Σ_{j<t<=i} g}; g_t gets Σ_{i >= t > j} W_ij
+        lower = torch.ones(bs, bs, dtype=torch.bool, device=x.device).tril()
+        strict = torch.ones(bs, bs, dtype=torch.bool, device=x.device).tril(-1)
+        spans = torch.where(strict[:, :, None], gb[..., :, None, :], 0.0).cumsum(-3)
+        weight = dZd[..., None] * torch.where(lower[:, :, None], spans, float("-inf")).exp()  # [.., nb, i, j, K]
+        dx = (weight * yb[..., None, :, :]).sum(-2)
+        dy = (weight * xb[..., :, None, :]).sum(-3)
+        pair = weight * xb[..., :, None, :] * yb[..., None, :, :]
+        dg = (pair.flip(-3).cumsum(-3).flip(-3) * strict[:, :, None]).sum(-2)  # row t: Σ_{i>=t} Σ_{j<t}
+    dx, dy, dg = (t.reshape(*lead, Cn, K) for t in (dx, dy, dg))
+    col_factor = _exclusive_suffix_sums(gb).exp().reshape(*lead, Cn, K)  # e^{Σ_{j<t<=r}} within j's block
+    for b in range(nb - 1):
+        rows, cols = slice((b + 1) * bs, Cn), slice(b * bs, (b + 1) * bs)
+        row_factor = g[..., rows, :].cumsum(-2).exp()  # e^{Σ_{r<t<=i}}, r block b's last token
+        X, Y = x[..., rows, :] * row_factor, y[..., cols, :] * col_factor[..., cols, :]
+        block = dZ[..., rows, cols]
+        dX, dY = block @ Y, block.transpose(-1, -2) @ X
+        dx[..., rows, :] += dX * row_factor
+        dy[..., cols, :] += dY * col_factor[..., cols, :]
+        dg[..., rows, :] += _suffix_sums(dX * X)
+        dg[..., cols, :] += _exclusive_prefix_sums(dY * Y)
+    return dx, dy, dg
+
+
+def _chunk_local_backward(loc: _Local, q, k, v, g, beta, S, dO, dS_next, pivot: bool):
+    """``(dq, dk, dv, dg, dbeta)`` of every chunk's inputs (preprocessed, ``[N, HV, J, C, ·]``) from
+    the gradients of its output ``dO`` and of its next state ``dS_next``, the states at chunk starts
+    ``S`` held constant (the scans carry the state's gradient across chunks)."""
+    U = loc.u - loc.w @ S
+    dU = loc.M.transpose(-1, -2) @ dO + loc.kd @ dS_next
+    dM = (dO @ U.transpose(-1, -2)).tril()
+    dqg = dO @ S.transpose(-1, -2)
+    dkd = U @ dS_next.transpose(-1, -2)
+    dw = -dU @ S.transpose(-1, -2)
+    dv = loc.T.transpose(-1, -2) @ dU
+    dT = dU @ v.transpose(-1, -2) + dw @ loc.kg.transpose(-1, -2)
+    dkg = loc.T.transpose(-1, -2) @ dw
+    dbeta = (dT * loc.L).sum(-2)  # T = L diag(β)
+    Lt = loc.L.transpose(-1, -2)
+    dA = -(Lt @ (dT * beta[..., None, :]) @ Lt).tril(-1)  # L = (I + diag(β) A)⁻¹
+    dbeta = dbeta + (dA * loc.A).sum(-1)
+    dqM, dkM, dgM = _gram_grads(dM, q, k, g, pivot)
+    dkAr, dkAc, dgA = _gram_grads(dA * beta[..., :, None], k, k, g, pivot)
+    eG = g.cumsum(-2).exp()
+    dq = dqM + dqg * eG
+    dk = dkM + dkAr + dkAc + dkg * eG + dkd * _exclusive_suffix_sums(g).exp()
+    # q e^Γ, k e^Γ: Γ_i sums g up to i; k e^{Γ_C−Γ}: the g after i; e^{Γ_C}: every g of the chunk.
+    dg = (dgM + dgA + _suffix_sums(dqg * loc.qg + dkg * loc.kg) + _exclusive_prefix_sums(dkd * loc.kd)
+          + ((S * dS_next).sum(-1) * loc.decay)[..., None, :])
+    return dq, dk, dv, dg, dbeta
 
 
 def _transitions(loc: _Local) -> torch.Tensor:
@@ -263,17 +348,16 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             flat = torch.cat([flat, flat.new_zeros(1, HV, flat.shape[-1])])
             return flat[rows].view(N, J, _CHUNK, HV, flat.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()
 
-        gc = chunks(gp)
-        bounded = opts.use_gate_in_kernel and opts.lower_bound is not None
-        loc = _chunk_local(chunks(qp), chunks(kp), chunks(vl.to(f32)), gc, chunks(bp[..., None])[..., 0],
-                           _pivot_safe(gc.detach(), bounded))
+        chunked = (chunks(qp), chunks(kp), chunks(vl.to(f32)), chunks(gp), chunks(bp[..., None])[..., 0])
     with torch.no_grad():
+        qc, kc, vc, gc, bc = (t.detach() for t in chunked)
+        pivot = _pivot_safe(gc, opts.use_gate_in_kernel and opts.lower_bound is not None)
+        loc = _chunk_local(qc, kc, vc, gc, bc, pivot)
         S0 = q.new_zeros(N, HV, K, V, dtype=f32)
         if initial_state is not None:
             S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
-        detached = _Local(*(t.detach() for t in loc))
-        D = _transitions(detached)
-        states = _state_scan(detached, D, S0)
+        D = _transitions(loc)
+        states = _state_scan(loc, D, S0)
         dS = q.new_zeros(N, HV, K, V, dtype=f32)
         if dht is not None:
             dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
@@ -281,18 +365,15 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         if do is not None:
             dO[:-1] = do.reshape(B * T, HV, V)
         dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4).contiguous()
-        dS_next, dS0 = _state_grad_scan(detached, D, dO, dS)
+        dS_next, dS0 = _state_grad_scan(loc, D, dO, dS)
+        local_grads = _chunk_local_backward(loc, qc, kc, vc, gc, bc, states, dO, dS_next, pivot)
 
+    # The preprocessing (l2 norm, gate, beta sigmoid, GVA, the chunk layout) by autograd.
     wanted = [t for t in leaves if t is not None and t.requires_grad]
     grads = {}
-    if wanted:
-        with torch.enable_grad():
-            U = loc.u - loc.w @ states
-            O = loc.qg @ states + loc.M @ U
-            S_next = loc.decay[..., None] * states + loc.kd.transpose(-1, -2) @ U
-        # An output that no wanted input reaches (the next state when only q requires grad) has no graph.
-        pairs = [(out, up) for out, up in ((O, dO), (S_next, dS_next)) if out.requires_grad]
-        found = torch.autograd.grad([out for out, _ in pairs], wanted, [up for _, up in pairs], allow_unused=True)
+    pairs = [(t, gr) for t, gr in zip(chunked, local_grads) if t.requires_grad]
+    if wanted and pairs:
+        found = torch.autograd.grad([t for t, _ in pairs], wanted, [gr for _, gr in pairs], allow_unused=True)
         grads = {id(t): gr for t, gr in zip(wanted, found)}
     out = [None if t is None or not t.requires_grad else
            (grads.get(id(t)) if grads.get(id(t)) is not None else torch.zeros_like(t)) for t in leaves]

@@ -61,6 +61,7 @@ CPU_CASES = {
     "lower_bound": dict(gate="lower_bound"),
     "softplus_gva": dict(gate="softplus", HV=4),
     "precomputed_masks": dict(gate="precomputed", mask_prob=0.1),
+    "softplus_strong": dict(gate="softplus", g_scale=30.0),
     "varlen_odd": dict(gate="lower_bound", lens=[1, 17, 0, 97, 130]),
     "gdn_v_first": dict(gate="softplus", gdn=True, state_v_first=True),
     "gdn_varlen_precomputed": dict(gate="precomputed", gdn=True, lens=[64, 65, 3]),
@@ -72,7 +73,9 @@ def test_chunk_backward_matches_fp64(case):
     """chunk_backward (fp32) against fp64 autograd of the recurrence, with every input requiring
     grad, both upstream gradients given, the reference as ChunkFunction's forward."""
     spec = dict(CPU_CASES[case])
+    g_scale = spec.pop("g_scale", 1.0)  # strong decays: pairs of tokens far apart contribute nothing
     kw = make_inputs(B=2, T=150, H=2, D=32, **spec, seed=5)
+    kw["g"] = kw["g"] * g_scale
     if case == "softplus_gva":
         kw["allow_neg_eigval"] = True
     do, dht = _upstream(kw)
@@ -252,3 +255,19 @@ def test_chunk_backward_one_input_requires_grad(name):
     (got,) = torch.autograd.grad([t for t in (o, ht) if t.requires_grad],
                                  [leaf], [u for t, u in ((o, do), (ht, dht)) if t.requires_grad])
     assert rel_err(got, ref) <= 2e-5
+
+
+@pytest.mark.parametrize("pivot", [True, False])
+def test_gram_grads_match_autograd(pivot):
+    """The decayed Gram matrices' explicit gradients (flashkda.autograd._gram_grads) against autograd
+    of their forward, in fp64, for both diagonal-block forms."""
+    from flashkda.autograd import _decayed_grams, _gram_grads
+
+    gen = torch.Generator().manual_seed(4)
+    x, y = (torch.randn(2, 3, 64, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    g = (-5 * torch.rand(2, 3, 64, 16, generator=gen, dtype=torch.float64)).requires_grad_()
+    dZ = torch.randn(2, 3, 64, 64, generator=gen, dtype=torch.float64).tril()
+    Z, _ = _decayed_grams(x, y, g, pivot)
+    want = torch.autograd.grad(Z, [x, y, g], dZ)
+    for name, got, ref in zip("xyg", _gram_grads(dZ, x.detach(), y.detach(), g.detach(), pivot), want):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11, msg=f"d{name}")
