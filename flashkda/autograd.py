@@ -31,7 +31,7 @@ tokens have zero ``q, k, v, beta`` and a zero log decay, so padded chunks pass t
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -82,9 +82,53 @@ class ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
+        o = ctx.options
         needs = ctx.needs_input_grad[2:]
-        grads = chunk_backward(ctx.options, *ctx.saved_tensors, do=do, dht=dht, needs_grad=needs)
-        return (None, None, *grads)
+        tensors = ctx.saved_tensors
+        grads = torch.ops.flashkda.chunk_bwd(
+            do, dht, *tensors, o.cu_seqlens, o.cu_seqlens_cpu, o.scale, o.use_qk_l2norm_in_kernel,
+            o.use_gate_in_kernel, o.lower_bound, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval, o.state_v_first,
+            _needs_mask(needs, tensors))
+        return (None, None, *(gr if m else None for gr, m in zip(grads, _needs_flags(needs, tensors))))
+
+
+def _needs_flags(needs, tensors) -> list:
+    """Which of the eight tensor inputs get a gradient: required and present."""
+    return [bool(n) and t is not None for n, t in zip(needs, tensors)]
+
+
+def _needs_mask(needs, tensors) -> int:
+    return sum(1 << i for i, f in enumerate(_needs_flags(needs, tensors)) if f)
+
+
+# The backward as one opaque op: torch.compile traces ChunkFunction (the forward's op has a fake
+# implementation too) without looking inside, where host reads decide the layout.
+@torch.library.custom_op("flashkda::chunk_bwd", mutates_args=())
+def _chunk_bwd_op(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor],
+                  dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                  cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor], scale: float,
+                  use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: Optional[float],
+                  use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, state_v_first: bool,
+                  needs: int) -> List[torch.Tensor]:
+    """:func:`chunk_backward` as an op: the gradients of the eight tensor inputs (bit i of ``needs``:
+    input i wants one), an empty tensor for each that gets none."""
+    opts = ChunkOptions(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu)
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    flags = [bool(needs >> i & 1) for i in range(len(tensors))]
+    grads = chunk_backward(opts, *tensors, do=do, dht=dht, needs_grad=flags)
+    # A gradient no input reaches (A_log without the gate in the kernel, say) is zero.
+    return [(gr if gr is not None else torch.zeros_like(t)) if f else q.new_empty(0)
+            for gr, t, f in zip(grads, tensors, flags)]
+
+
+@_chunk_bwd_op.register_fake
+def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
+                    use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, state_v_first, needs):
+    tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return [torch.empty_like(t) if needs >> i & 1 else q.new_empty(0) for i, t in enumerate(tensors)]
 
 
 def _chunk_rows(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, int, int]:
@@ -112,39 +156,67 @@ def _exclusive_suffix_sums(g: torch.Tensor) -> torch.Tensor:
     return torch.cat([s[..., 1:, :], torch.zeros_like(s[..., :1, :])], dim=-2)
 
 
-def _decayed_grams(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, pivot: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(M, A)`` of chunks ``[..., C, K]`` with per-token log decays ``g``:
-    ``M_ij = Σ_c q_ic k_jc e^{Γ_ic − Γ_jc}`` for ``j <= i``, ``A_ij`` the same with ``k`` for rows and
-    ``j < i``, zero elsewhere; ``Γ_i − Γ_j = Σ_{j < t <= i} g_t``.
+class _Decays(NamedTuple):
+    """The decay factors of every chunk ``[.., C, K]`` that the Gram matrices and their gradients use,
+    formed once (see :func:`_decayed_grams`)."""
+
+    pivot: bool
+    block: int  # tokens per diagonal block
+    diag: torch.Tensor  # pivot: [.., nb, 2, bs, K] e^{γ−h}, e^{h−γ}; else [.., nb, i, j, K] e^{Σ_{j<t<=i}}
+    col: torch.Tensor  # [.., C, K] e^{Σ_{j<t<=r}}, r the last token of j's block
+    rows: List[torch.Tensor]  # for block b: [.., C − (b+1) bs, K] e^{Σ_{r<t<=i}} of the rows after it
+    eG: torch.Tensor  # [.., C, K] e^Γ
+    tail: torch.Tensor  # [.., C, K] e^{Γ_C − Γ}
+
+
+def _decays(g: torch.Tensor, pivot: bool) -> _Decays:
+    """Every factor from sums of only the log decays concerned, never differences of long sums
+    (those lose the small terms beside a ``-1e4`` mask)."""
+    *lead, Cn, K = g.shape
+    bs = _PIVOT_BLOCK if pivot else _EXACT_BLOCK
+    nb = Cn // bs
+    gb = g.reshape(*lead, nb, bs, K)
+    if pivot:
+        gamma = gb.cumsum(-2)
+        half = gamma[..., -1:, :] * 0.5
+        diag = torch.stack([(gamma - half).exp(), (half - gamma).exp()], dim=-3)
+    else:
+        lower = torch.ones(bs, bs, dtype=torch.bool, device=g.device).tril()
+        strict = torch.ones(bs, bs, dtype=torch.bool, device=g.device).tril(-1)
+        spans = torch.where(strict[:, :, None], gb[..., :, None, :], 0.0).cumsum(-3)
+        diag = torch.where(lower[:, :, None], spans, float("-inf")).exp()  # upper triangle masked first
+    return _Decays(pivot=pivot, block=bs, diag=diag, col=_exclusive_suffix_sums(gb).exp().reshape(*lead, Cn, K),
+                   rows=[g[..., (b + 1) * bs:, :].cumsum(-2).exp() for b in range(nb - 1)],
+                   eG=g.cumsum(-2).exp(), tail=_exclusive_suffix_sums(g).exp())
+
+
+def _decayed_grams(q: torch.Tensor, k: torch.Tensor, dec: _Decays) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(M, A)`` of chunks ``[..., C, K]``: ``M_ij = Σ_c q_ic k_jc e^{Γ_ic − Γ_jc}`` for ``j <= i``,
+    ``A_ij`` the same with ``k`` for rows and ``j < i``, zero elsewhere; ``Γ_i − Γ_j = Σ_{j<t<=i} g_t``.
 
     A block below the diagonal (rows after block b, columns in b) is the product of
     ``x e^{Σ_{r<t<=i} g_t}`` and ``k e^{Σ_{j<t<=r} g_t}``, ``r`` block b's last token: both factors at
     most 1 for log decays ``<= 0``. Diagonal blocks: with ``pivot`` (every block's decay within
     _PIVOT_SPAN) the product of ``x e^{γ−h}`` and ``k e^{h−γ}`` (γ the decay from the block start, h
-    half the block's), masked after; otherwise the pairwise decay sums formed directly, the upper
-    triangle masked before the exponential (any gate, ``-1e4`` masks included).
+    half the block's), masked after; otherwise the pairwise decay factors, the upper triangle masked
+    before the exponential (any gate, ``-1e4`` masks included).
     """
     *lead, Cn, K = q.shape
-    bs = _PIVOT_BLOCK if pivot else _EXACT_BLOCK
+    bs = dec.block
     nb = Cn // bs
-    qb, kb, gb = (x.reshape(*lead, nb, bs, K) for x in (q, k, g))
+    qb, kb = (x.reshape(*lead, nb, bs, K) for x in (q, k))
     lower = torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril()
     strict = torch.ones(bs, bs, dtype=torch.bool, device=q.device).tril(-1)
-    if pivot:
-        gamma = gb.cumsum(-2)
-        half = gamma[..., -1:, :] * 0.5
-        col = kb * (half - gamma).exp()
-        m_diag = ((qb * (gamma - half).exp()) @ col.transpose(-1, -2)).masked_fill(~lower, 0.0)
-        a_diag = ((kb * (gamma - half).exp()) @ col.transpose(-1, -2)).masked_fill(~strict, 0.0)
+    if dec.pivot:
+        col = (kb * dec.diag[..., 1, :, :]).transpose(-1, -2)
+        m_diag = ((qb * dec.diag[..., 0, :, :]) @ col).masked_fill(~lower, 0.0)
+        a_diag = ((kb * dec.diag[..., 0, :, :]) @ col).masked_fill(~strict, 0.0)
     else:
-        # [..., nb, i, j, K]: Σ_{j < t <= i} g_t, then e^{...} below the diagonal, 0 above it
-        spans = torch.where(strict[:, :, None], gb[..., :, None, :], 0.0).cumsum(-3)
-        kd = kb[..., None, :, :] * torch.where(lower[:, :, None], spans, float("-inf")).exp()
+        kd = kb[..., None, :, :] * dec.diag  # [..., nb, i, j, K]: k_j e^{Σ_{j<t<=i}}
         m_diag = (qb[..., :, None, :] * kd).sum(-1)
         a_diag = (kb[..., :, None, :] * kd).sum(-1).masked_fill(~strict, 0.0)
     M = q.new_zeros(*lead, Cn, Cn)
     A = q.new_zeros(*lead, Cn, Cn)
-    col_factor = _exclusive_suffix_sums(gb).exp().reshape(*lead, Cn, K)  # e^{Σ_{j<t<=r}} within j's block
     for b in range(nb):
         cols = slice(b * bs, (b + 1) * bs)
         M[..., cols, cols] = m_diag[..., b, :, :]
@@ -152,10 +224,9 @@ def _decayed_grams(q: torch.Tensor, k: torch.Tensor, g: torch.Tensor, pivot: boo
         if b + 1 == nb:
             break
         rows = slice((b + 1) * bs, Cn)
-        row_factor = g[..., rows, :].cumsum(-2).exp()
-        col = k[..., cols, :] * col_factor[..., cols, :]
-        M[..., rows, cols] = (q[..., rows, :] * row_factor) @ col.transpose(-1, -2)
-        A[..., rows, cols] = (k[..., rows, :] * row_factor) @ col.transpose(-1, -2)
+        col = (k[..., cols, :] * dec.col[..., cols, :]).transpose(-1, -2)
+        M[..., rows, cols] = (q[..., rows, :] * dec.rows[b]) @ col
+        A[..., rows, cols] = (k[..., rows, :] * dec.rows[b]) @ col
     return M, A
 
 
@@ -183,17 +254,16 @@ class _Local(NamedTuple):
     T: torch.Tensor  # [.., C, C] L diag(β)
 
 
-def _chunk_local(q, k, v, g, beta, pivot: bool) -> _Local:
-    """Every chunk's local quantities from preprocessed ``q, k, g [.., C, K]``, ``v [.., C, V]``,
-    ``beta [.., C]`` (fp32); ``pivot``: see :func:`_decayed_grams`."""
-    M, A = _decayed_grams(q, k, g, pivot)
+def _chunk_local(q, k, v, beta, dec: _Decays) -> _Local:
+    """Every chunk's local quantities from preprocessed ``q, k [.., C, K]``, ``v [.., C, V]``,
+    ``beta [.., C]`` (fp32) and the chunk's decay factors."""
+    M, A = _decayed_grams(q, k, dec)
     eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
     # (I + diag(β) A)⁻¹ by a unit lower-triangular solve (A is strictly lower).
     L = torch.linalg.solve_triangular(beta[..., :, None] * A, eye.expand_as(A), upper=False, unitriangular=True)
     T = L * beta[..., None, :]
-    eG = g.cumsum(-2).exp()
-    kg = k * eG
-    return _Local(qg=q * eG, kd=k * _exclusive_suffix_sums(g).exp(), w=T @ kg, u=T @ v, M=M, decay=eG[..., -1, :],
+    kg = k * dec.eG
+    return _Local(qg=q * dec.eG, kd=k * dec.tail, w=T @ kg, u=T @ v, M=M, decay=dec.eG[..., -1, :],
                   kg=kg, A=A, L=L, T=T)
 
 
@@ -207,50 +277,45 @@ def _suffix_sums(x: torch.Tensor) -> torch.Tensor:
     return x.flip(-2).cumsum(-2).flip(-2)
 
 
-def _gram_grads(dZ: torch.Tensor, x: torch.Tensor, y: torch.Tensor, g: torch.Tensor, pivot: bool):
+def _gram_grads(dZ: torch.Tensor, x: torch.Tensor, y: torch.Tensor, dec: _Decays):
     """For ``Z_ij = Σ_c x_ic y_jc e^{Σ_{j<t<=i} g_tc}`` (``j <= i``) and its gradient ``dZ`` (zero where
     Z is not defined): ``(dx, dy, dg)``, in the blocks of :func:`_decayed_grams`. Each block's
     gradient in ``g`` follows the sums that block's factors are made of (a token's log decay gets the
     terms of the pairs it lies between), never differences of whole-chunk sums: those cancel, and
     lose the small gradients of strongly decayed chunks."""
     *lead, Cn, K = x.shape
-    bs = _PIVOT_BLOCK if pivot else _EXACT_BLOCK
+    bs = dec.block
     nb = Cn // bs
-    xb, yb, gb = (t.reshape(*lead, nb, bs, K) for t in (x, y, g))
+    xb, yb = (t.reshape(*lead, nb, bs, K) for t in (x, y))
     dZd = torch.stack([dZ[..., b * bs:(b + 1) * bs, b * bs:(b + 1) * bs] for b in range(nb)], dim=-3)
-    if pivot:  # X = x e^{γ−h}, Y = y e^{h−γ}: γ the decay from the block start, h half the block's
-        gamma = gb.cumsum(-2)
-        half = gamma[..., -1:, :] * 0.5
-        X, Y = xb * (gamma - half).exp(), yb * (half - gamma).exp()
+    if dec.pivot:  # X = x e^{γ−h}, Y = y e^{h−γ}: γ the decay from the block start, h half the block's
+        row, col = dec.diag[..., 0, :, :], dec.diag[..., 1, :, :]
+        X, Y = xb * row, yb * col
         dX, dY = dZd @ Y, dZd.transpose(-1, -2) @ X
-        dx, dy = dX * (gamma - half).exp(), dY * (half - gamma).exp()
+        dx, dy = dX * row, dY * col
         dgamma = dX * X - dY * Y
         dg = _suffix_sums(dgamma) - 0.5 * dgamma.sum(-2, keepdim=True)
     else:  # W_ij = dZ_ij x_i y_j e^{Σ_{j<t<=i} g}; g_t gets Σ_{i >= t > j} W_ij
-        lower = torch.ones(bs, bs, dtype=torch.bool, device=x.device).tril()
         strict = torch.ones(bs, bs, dtype=torch.bool, device=x.device).tril(-1)
-        spans = torch.where(strict[:, :, None], gb[..., :, None, :], 0.0).cumsum(-3)
-        weight = dZd[..., None] * torch.where(lower[:, :, None], spans, float("-inf")).exp()  # [.., nb, i, j, K]
+        weight = dZd[..., None] * dec.diag  # [.., nb, i, j, K]
         dx = (weight * yb[..., None, :, :]).sum(-2)
         dy = (weight * xb[..., :, None, :]).sum(-3)
         pair = weight * xb[..., :, None, :] * yb[..., None, :, :]
         dg = (pair.flip(-3).cumsum(-3).flip(-3) * strict[:, :, None]).sum(-2)  # row t: Σ_{i>=t} Σ_{j<t}
     dx, dy, dg = (t.reshape(*lead, Cn, K) for t in (dx, dy, dg))
-    col_factor = _exclusive_suffix_sums(gb).exp().reshape(*lead, Cn, K)  # e^{Σ_{j<t<=r}} within j's block
     for b in range(nb - 1):
         rows, cols = slice((b + 1) * bs, Cn), slice(b * bs, (b + 1) * bs)
-        row_factor = g[..., rows, :].cumsum(-2).exp()  # e^{Σ_{r<t<=i}}, r block b's last token
-        X, Y = x[..., rows, :] * row_factor, y[..., cols, :] * col_factor[..., cols, :]
+        X, Y = x[..., rows, :] * dec.rows[b], y[..., cols, :] * dec.col[..., cols, :]
         block = dZ[..., rows, cols]
         dX, dY = block @ Y, block.transpose(-1, -2) @ X
-        dx[..., rows, :] += dX * row_factor
-        dy[..., cols, :] += dY * col_factor[..., cols, :]
+        dx[..., rows, :] += dX * dec.rows[b]
+        dy[..., cols, :] += dY * dec.col[..., cols, :]
         dg[..., rows, :] += _suffix_sums(dX * X)
         dg[..., cols, :] += _exclusive_prefix_sums(dY * Y)
     return dx, dy, dg
 
 
-def _chunk_local_backward(loc: _Local, q, k, v, g, beta, S, dO, dS_next, pivot: bool):
+def _chunk_local_backward(loc: _Local, dec: _Decays, q, k, v, beta, S, dO, dS_next):
     """``(dq, dk, dv, dg, dbeta)`` of every chunk's inputs (preprocessed, ``[N, HV, J, C, ·]``) from
     the gradients of its output ``dO`` and of its next state ``dS_next``, the states at chunk starts
     ``S`` held constant (the scans carry the state's gradient across chunks)."""
@@ -267,11 +332,10 @@ def _chunk_local_backward(loc: _Local, q, k, v, g, beta, S, dO, dS_next, pivot: 
     Lt = loc.L.transpose(-1, -2)
     dA = -(Lt @ (dT * beta[..., None, :]) @ Lt).tril(-1)  # L = (I + diag(β) A)⁻¹
     dbeta = dbeta + (dA * loc.A).sum(-1)
-    dqM, dkM, dgM = _gram_grads(dM, q, k, g, pivot)
-    dkAr, dkAc, dgA = _gram_grads(dA * beta[..., :, None], k, k, g, pivot)
-    eG = g.cumsum(-2).exp()
-    dq = dqM + dqg * eG
-    dk = dkM + dkAr + dkAc + dkg * eG + dkd * _exclusive_suffix_sums(g).exp()
+    dqM, dkM, dgM = _gram_grads(dM, q, k, dec)
+    dkAr, dkAc, dgA = _gram_grads(dA * beta[..., :, None], k, k, dec)
+    dq = dqM + dqg * dec.eG
+    dk = dkM + dkAr + dkAc + dkg * dec.eG + dkd * dec.tail
     # q e^Γ, k e^Γ: Γ_i sums g up to i; k e^{Γ_C−Γ}: the g after i; e^{Γ_C}: every g of the chunk.
     dg = (dgM + dgA + _suffix_sums(dqg * loc.qg + dkg * loc.kg) + _exclusive_prefix_sums(dkd * loc.kd)
           + ((S * dS_next).sum(-1) * loc.decay)[..., None, :])
@@ -306,8 +370,8 @@ def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.T
     ``dS = Dᵀ dS' + (q e^Γ − M w)ᵀ dO``, one batched multiply-add per chunk."""
     N, HV, J, _, K = loc.w.shape
     V = dS.shape[-1]
-    if J == 0:
-        return dS.new_empty(N, HV, 0, K, V), dS
+    if J == 0:  # no chunk: the initial state's gradient is the final state's (a copy, not an alias)
+        return dS.new_empty(N, HV, 0, K, V), dS.clone()
     Y = ((loc.qg - loc.M @ loc.w).transpose(-1, -2) @ dO).permute(2, 0, 1, 3, 4).reshape(J, N * HV, K, V)
     Dt = D.transpose(-1, -2)
     nexts = dS.new_empty(J, N * HV, K, V)
@@ -318,66 +382,114 @@ def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.T
     return nexts.view(J, N, HV, K, V).permute(1, 2, 0, 3, 4), dS0
 
 
+def _l2norm_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``x / sqrt(Σ x² + eps)`` over the last dim: ``r dy − r y (dy · y)``."""
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + C.L2NORM_EPS)
+    y = x * r
+    return r * (dy - y * (dy * y).sum(-1, keepdim=True))
+
+
+def _preprocess_grads(opts: ChunkOptions, q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta):
+    """Gradients of the raw ``q, k, g, beta, A_log, dt_bias`` (fp32, in their shapes; None for the
+    gate parameters when not used) from those of :func:`flashkda.reference.preprocess`'s outputs."""
+    f32 = torch.float32
+    dq = dq * opts.scale
+    if opts.use_qk_l2norm_in_kernel:
+        dq, dk = _l2norm_grad(q.to(f32), dq), _l2norm_grad(k.to(f32), dk)
+    dA_log = ddt_bias = None
+    if opts.use_gate_in_kernel:
+        hv = g.shape[2]
+        per_channel = g.dim() == 4
+        x = g.to(f32)
+        if dt_bias is not None:
+            x = x + dt_bias.to(f32).reshape((hv, -1) if per_channel else (hv,))
+        a = torch.ones(hv, dtype=f32, device=g.device) if A_log is None else A_log.to(f32).reshape(hv).exp()
+        if per_channel:
+            a = a[:, None]
+        if opts.lower_bound is not None:  # lower_bound · sigmoid(a x)
+            s = torch.sigmoid(a * x)
+            dz = dg * (opts.lower_bound * s * (1 - s))
+            dx, da_terms = dz * a, dz * x * a
+        else:  # −a · softplus(x), softplus' = sigmoid below the threshold, 1 above
+            slope = torch.where(x > C.SOFTPLUS_THRESHOLD, torch.ones_like(x), torch.sigmoid(x))
+            dx = dg * (-a) * slope
+            da_terms = dg * (-a) * torch.where(x > C.SOFTPLUS_THRESHOLD, x, torch.nn.functional.softplus(x))
+        dg = dx
+        dims = (0, 1, 3) if per_channel else (0, 1)
+        if A_log is not None:
+            dA_log = da_terms.sum(dims).reshape(A_log.shape)
+        if dt_bias is not None:
+            ddt_bias = dx.sum((0, 1)).reshape(dt_bias.shape)
+    if opts.use_beta_sigmoid_in_kernel:
+        s = torch.sigmoid(beta.to(f32))
+        dbeta = dbeta * s * (1 - s) * (2.0 if opts.allow_neg_eigval else 1.0)
+    return dq, dk, dg, dbeta, dA_log, ddt_bias
+
+
 def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
     """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
-    (None for an input that needs none), from the gradients ``do`` of ``o`` and ``dht`` of the final
-    state (None: zero). The arguments are the call's raw inputs; ``needs_grad`` holds one flag each."""
+    (None for an input that needs none), each in its input's shape and dtype, from the gradients
+    ``do`` of ``o`` and ``dht`` of the final state (None: zero). The arguments are the call's raw
+    inputs; ``needs_grad`` holds one flag each. No autograd inside: every step is written out."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     f32 = torch.float32
     dev = q.device
     rows, N, J = _chunk_rows(B, T, opts.cu_seqlens, opts.cu_seqlens_cpu, dev)
-    raw = (q, k, v, g, beta, A_log, dt_bias)
-    with torch.enable_grad():
-        leaves = [None if t is None else t.detach().requires_grad_(bool(n)) for t, n in zip(raw, needs_grad)]
-        ql, kl, vl, gl, bl, al, dl = leaves
-        qp, kp, gp, bp = preprocess(
-            ql, kl, gl, bl, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=opts.use_gate_in_kernel, A_log=al, dt_bias=dl, lower_bound=opts.lower_bound,
-            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
-            dtype=f32)
-        if gp.dim() == 3:  # GDN: one decay per head for every key channel
-            gp = gp[..., None].expand(B, T, HV, K)
-        if HV != H:
-            qp, kp = qp.repeat_interleave(HV // H, dim=2), kp.repeat_interleave(HV // H, dim=2)
+    gate_A, gate_dt = (A_log, dt_bias) if opts.use_gate_in_kernel else (None, None)
+    qp, kp, gp, bp = preprocess(
+        q, k, g, beta, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=opts.use_gate_in_kernel, A_log=gate_A, dt_bias=gate_dt, lower_bound=opts.lower_bound,
+        use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
+        dtype=f32)
+    group = HV // H
+    if gp.dim() == 3:  # GDN: one decay per head for every key channel
+        gp = gp[..., None].expand(B, T, HV, K)
+    if group > 1:
+        qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
 
-        def chunks(x: torch.Tensor) -> torch.Tensor:
-            """[B, T, HV, D] -> [N, HV, J, C, D], zero past each sequence's end; contiguous, so that
-            the elementwise work on it runs vectorized."""
-            flat = x.reshape(B * T, HV, x.shape[-1])
-            flat = torch.cat([flat, flat.new_zeros(1, HV, flat.shape[-1])])
-            return flat[rows].view(N, J, _CHUNK, HV, flat.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        """[B, T, HV, D] -> [N, HV, J, C, D], zero past each sequence's end; contiguous, so that the
+        elementwise work on it runs vectorized."""
+        flat = x.reshape(B * T, HV, x.shape[-1])
+        flat = torch.cat([flat, flat.new_zeros(1, HV, flat.shape[-1])])
+        return flat[rows].view(N, J, _CHUNK, HV, flat.shape[-1]).permute(0, 3, 1, 2, 4).contiguous()
 
-        chunked = (chunks(qp), chunks(kp), chunks(vl.to(f32)), chunks(gp), chunks(bp[..., None])[..., 0])
-    with torch.no_grad():
-        qc, kc, vc, gc, bc = (t.detach() for t in chunked)
-        pivot = _pivot_safe(gc, opts.use_gate_in_kernel and opts.lower_bound is not None)
-        loc = _chunk_local(qc, kc, vc, gc, bc, pivot)
-        S0 = q.new_zeros(N, HV, K, V, dtype=f32)
-        if initial_state is not None:
-            S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
-        D = _transitions(loc)
-        states = _state_scan(loc, D, S0)
-        dS = q.new_zeros(N, HV, K, V, dtype=f32)
-        if dht is not None:
-            dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
-        dO = torch.zeros(B * T + 1, HV, V, dtype=f32, device=dev)
-        if do is not None:
-            dO[:-1] = do.reshape(B * T, HV, V)
-        dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4).contiguous()
-        dS_next, dS0 = _state_grad_scan(loc, D, dO, dS)
-        local_grads = _chunk_local_backward(loc, qc, kc, vc, gc, bc, states, dO, dS_next, pivot)
+    def tokens(x: torch.Tensor) -> torch.Tensor:
+        """The inverse: [N, HV, J, C, D] -> [B, T, HV, D], padding dropped."""
+        D = x.shape[-1]
+        flat = x.new_zeros(B * T + 1, HV, D)
+        flat.index_add_(0, rows.reshape(-1), x.permute(0, 2, 3, 1, 4).reshape(-1, HV, D))
+        return flat[:-1].view(B, T, HV, D)
 
-    # The preprocessing (l2 norm, gate, beta sigmoid, GVA, the chunk layout) by autograd.
-    wanted = [t for t in leaves if t is not None and t.requires_grad]
-    grads = {}
-    pairs = [(t, gr) for t, gr in zip(chunked, local_grads) if t.requires_grad]
-    if wanted and pairs:
-        found = torch.autograd.grad([t for t, _ in pairs], wanted, [gr for _, gr in pairs], allow_unused=True)
-        grads = {id(t): gr for t, gr in zip(wanted, found)}
-    out = [None if t is None or not t.requires_grad else
-           (grads.get(id(t)) if grads.get(id(t)) is not None else torch.zeros_like(t)) for t in leaves]
-    dh0 = None
-    if initial_state is not None and needs_grad[7]:
-        dh0 = (dS0.transpose(-1, -2) if opts.state_v_first else dS0).to(initial_state.dtype)
-    return (*out, dh0)
+    qc, kc, vc, gc = chunks(qp), chunks(kp), chunks(v.to(f32)), chunks(gp)
+    bc = chunks(bp[..., None])[..., 0]
+    pivot = _pivot_safe(gc, opts.use_gate_in_kernel and opts.lower_bound is not None)
+    dec = _decays(gc, pivot)
+    loc = _chunk_local(qc, kc, vc, bc, dec)
+    S0 = q.new_zeros(N, HV, K, V, dtype=f32)
+    if initial_state is not None:
+        S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
+    D = _transitions(loc)
+    states = _state_scan(loc, D, S0)
+    dS = q.new_zeros(N, HV, K, V, dtype=f32)
+    if dht is not None:
+        dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
+    dO = torch.zeros(B * T + 1, HV, V, dtype=f32, device=dev)
+    if do is not None:
+        dO[:-1] = do.reshape(B * T, HV, V)
+    dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4).contiguous()
+    dS_next, dS0 = _state_grad_scan(loc, D, dO, dS)
+    dqc, dkc, dvc, dgc, dbc = _chunk_local_backward(loc, dec, qc, kc, vc, bc, states, dO, dS_next)
+
+    dq, dk, dgp = tokens(dqc), tokens(dkc), tokens(dgc)
+    if group > 1:  # GVA: the heads that share q and k add up
+        dq, dk = (x.view(B, T, H, group, K).sum(3) for x in (dq, dk))
+    if g.dim() == 3:
+        dgp = dgp.sum(-1)
+    dq, dk, dg, dbeta, dA_log, ddt_bias = _preprocess_grads(opts, q, k, g, beta, gate_A, gate_dt, dq, dk, dgp,
+                                                            tokens(dbc[..., None])[..., 0])
+    dh0 = None if initial_state is None else (dS0.transpose(-1, -2) if opts.state_v_first else dS0)
+    found = (dq, dk, tokens(dvc), dg, dbeta, dA_log, ddt_bias, dh0)
+    return tuple(None if t is None or not n or gr is None else gr.to(t.dtype)
+                 for t, n, gr in zip((q, k, v, g, beta, A_log, dt_bias, initial_state), needs_grad, found))

@@ -231,12 +231,12 @@ def test_cuda_grads_against_fla(gate, lens, monkeypatch):
 
 def test_decayed_grams_pivot_equals_exact():
     """The two diagonal-block forms of the decayed Gram matrices agree where both apply."""
-    from flashkda.autograd import _decayed_grams
+    from flashkda.autograd import _decayed_grams, _decays
 
     gen = torch.Generator().manual_seed(3)
     q, k = (torch.randn(2, 3, 64, 16, generator=gen, dtype=torch.float64) for _ in range(2))
     g = -5 * torch.rand(2, 3, 64, 16, generator=gen, dtype=torch.float64)
-    for pivoted, exact in zip(_decayed_grams(q, k, g, True), _decayed_grams(q, k, g, False)):
+    for pivoted, exact in zip(_decayed_grams(q, k, _decays(g, True)), _decayed_grams(q, k, _decays(g, False))):
         torch.testing.assert_close(pivoted, exact, rtol=1e-10, atol=1e-12)
 
 
@@ -261,13 +261,40 @@ def test_chunk_backward_one_input_requires_grad(name):
 def test_gram_grads_match_autograd(pivot):
     """The decayed Gram matrices' explicit gradients (flashkda.autograd._gram_grads) against autograd
     of their forward, in fp64, for both diagonal-block forms."""
-    from flashkda.autograd import _decayed_grams, _gram_grads
+    from flashkda.autograd import _decayed_grams, _decays, _gram_grads
 
     gen = torch.Generator().manual_seed(4)
     x, y = (torch.randn(2, 3, 64, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
     g = (-5 * torch.rand(2, 3, 64, 16, generator=gen, dtype=torch.float64)).requires_grad_()
     dZ = torch.randn(2, 3, 64, 64, generator=gen, dtype=torch.float64).tril()
-    Z, _ = _decayed_grams(x, y, g, pivot)
+    Z, _ = _decayed_grams(x, y, _decays(g, pivot))
     want = torch.autograd.grad(Z, [x, y, g], dZ)
-    for name, got, ref in zip("xyg", _gram_grads(dZ, x.detach(), y.detach(), g.detach(), pivot), want):
+    for name, got, ref in zip("xyg", _gram_grads(dZ, x.detach(), y.detach(), _decays(g.detach(), pivot)), want):
         torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-11, msg=f"d{name}")
+
+
+def test_backward_op_passes_opcheck():
+    """The backward is one registered op (flashkda::chunk_bwd) with a fake implementation, so
+    torch.compile traces ChunkFunction without looking inside it."""
+    import flashkda.autograd  # noqa: F401  (registers the op)
+
+    kw = make_inputs(lens=[70, 0, 5], H=2, HV=4, D=16, gate="softplus", seed=21)
+    do, dht = _upstream(kw)
+    args = (do, dht, *[kw.get(n) for n in NAMES], kw["cu_seqlens"], None, 0.25, True, True, None, True, False,
+            False, 0b11111111)
+    torch.library.opcheck(torch.ops.flashkda.chunk_bwd.default, args)
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_training_call_compiles():
+    """torch.compile(fullgraph=True) traces a training call (the kernels' forward op, the opaque
+    backward op) and gives the eager gradients."""
+    kw = make_inputs(T=130, H=2, D=128, dtype=torch.bfloat16, device="cuda", seed=31)
+    do, dht = _upstream(kw)
+    eager = grads_of(flashkda.chunk_kda, kw, do, dht, output_final_state=True)
+    torch.compiler.reset()
+    got = grads_of(torch.compile(flashkda.chunk_kda, fullgraph=True), kw, do, dht, output_final_state=True)
+    for name, a, b in zip(NAMES, got, eager):
+        if b is not None:
+            torch.testing.assert_close(a, b, msg=f"d{name}")
