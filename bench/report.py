@@ -210,8 +210,8 @@ def train_table(records) -> str:
         ratio = ours["fwd_bwd_ms"] / fla["fwd_bwd_ms"] if fla else None
         met = "—" if fla is None else (
             "yes" if ratio <= TRAIN_MAX_RATIO and ours["peak_mem_mb"] <= fla["peak_mem_mb"] else "no")
-        lines.append(f"| {case} | {ours['fwd_ms']:.3f} | {fla['fwd_ms'] if fla else '—'} | {ours['fwd_bwd_ms']:.3f} | "
-                     f"{fla['fwd_bwd_ms'] if fla else '—'} | {'—' if ratio is None else f'{ratio:.2f}'} | "
+        lines.append(f"| {case} | {ours['fwd_ms']:.3f} | {fla['fwd_ms'] if fla else '—'} | "
+                     f"{ours['fwd_bwd_ms']:.3f} | {fla['fwd_bwd_ms'] if fla else '—'} | {'—' if ratio is None else f'{ratio:.2f}'} | "
                      f"{ours['peak_mem_mb']:.0f} | {fla['peak_mem_mb'] if fla else '—'} | {met} |")
     model = {r["impl"]: r for r in records if r["case"] == "train_fla_kda_model"}
     if model:

@@ -3,10 +3,11 @@
     python3 bench/train_fla_model.py [--json PATH] [--steps 30] [--layers 4] [--gate lower_bound]
 
 Model: fla.models.KDAForCausalLM from KDAConfig (hidden 2048, 16 heads of 128, --layers layers,
-vocabulary 8192), random weights from seed 0, bf16 parameters trained by AdamW (lr 3e-4), no
-code change between runs: FLA's registry picks flashkda (FLASHKDA_FLA_BACKEND=1, with
-FLASHKDA_FLA_TRAINING=1 for calls under autograd) or its own kernels (=0). Data: packed varlen batches of 8 sequences x 2048 tokens (cu_seqlens), each sequence
-a random block of 8-64 tokens repeated (learnable by the recurrence), next-token cross entropy.
+vocabulary 8192), random weights from seed 0, bf16 parameters trained by AdamW (lr 3e-4), no code
+change between runs: FLA's registry picks flashkda (FLASHKDA_FLA_BACKEND=1, with
+FLASHKDA_FLA_TRAINING=1 for calls under autograd) or its own kernels (=0). Data: packed varlen
+batches of 8 sequences x 2048 tokens (cu_seqlens), each sequence a random block of 8-64 tokens
+repeated (learnable by the recurrence), next-token cross entropy.
 
 Runs: FLA with data order seed 0 and seed 1 (FLA's own run-to-run spread), flashkda with seed 0.
 * step_ms: CUDA-event time of forward + backward + optimizer step, median over the steps after

@@ -7,26 +7,27 @@ semantics (raw gate, ``A_log`` and ``dt_bias`` in their own shapes, raw ``beta``
 sigmoid, the l2 norm, GVA sums, the initial state in its own layout and dtype).
 
 The backward splits the recurrence at 64-token chunks (the layout of the kernels'
-``return_intermediate_states``):
+``return_intermediate_states``) and writes every step out, with no autograd graph inside:
 
-1. per-token preprocessing of the raw inputs under autograd (:func:`flashkda.reference.preprocess`);
-2. every chunk's local quantities at once, under autograd (:func:`_chunk_local`): cumulative log
-   decay ``Γ``, the decayed Gram matrices ``M = tril(q kᵀ ⊙ e^{Γi−Γj})`` and
-   ``A = diag(β) strict_tril(k kᵀ ⊙ e^{Γi−Γj})``, ``T = (I + A)⁻¹ diag(β)``, ``w = T (k e^Γ)``,
-   ``u = T v``, ``q e^Γ``, ``k e^{Γ_C−Γ}`` and the chunk decay ``e^{Γ_C}``;
-3. the states at chunk starts by a scan over chunks without autograd,
-   ``S' = e^{Γ_C} ⊙ S + (k e^{Γ_C−Γ})ᵀ (u − w S)``;
-4. the state gradients by the reverse scan, from the final state's gradient:
-   ``dU = Mᵀ dO + (k e^{Γ_C−Γ}) dS'``, ``dS = e^{Γ_C} ⊙ dS' + (q e^Γ)ᵀ dO − wᵀ dU``; the first is the
-   initial state's gradient;
-5. each chunk's output ``O = (q e^Γ) S + M (u − w S)`` and next state, with the states as constants,
-   under autograd, differentiated with ``dO`` and the next state's gradient from step 4: the only
-   coupling between chunks is the state, so this gives every input's gradient.
+1. the per-token preprocessing of the raw inputs (:func:`flashkda.reference.preprocess`) and the
+   chunk layout ``[N, HV, J, 64, ·]``;
+2. every chunk's local quantities at once (:func:`_chunk_local`): the decay factors, the decayed
+   Gram matrices ``M = tril(q kᵀ ⊙ e^{Γi−Γj})`` and ``A = strict_tril(k kᵀ ⊙ e^{Γi−Γj})``,
+   ``T = (I + diag(β) A)⁻¹ diag(β)``, ``w = T (k e^Γ)``, ``u = T v``, ``q e^Γ``, ``kd = k e^{Γ_C−Γ}``
+   and the chunk decay ``e^{Γ_C}``;
+3. each chunk's state map ``D = diag(e^{Γ_C}) − kdᵀ w``, then the states at chunk starts
+   (``S' = D S + kdᵀ u``) and the state gradients (``dS = Dᵀ dS' + (q e^Γ − M w)ᵀ dO``, from the
+   final state's gradient; the first is the initial state's), one batched multiply-add a chunk;
+4. every chunk's gradients at once from ``dO`` and its next state's gradient, the states held
+   constant (:func:`_chunk_local_backward`): the state is the only coupling between chunks;
+5. back through the chunk layout, GVA and the preprocessing (:func:`_preprocess_grads`).
 
 Within a chunk only ``e^{Γi−Γj}`` for ``j <= i`` is formed, each factor at most 1 (see
-:func:`_decayed_grams`): unbounded softplus gates and masks such as ``g = -1e4`` stay finite in the
-gradients too. Varlen batches are laid out as ``[N, chunks]`` of their longest sequence; padded
-tokens have zero ``q, k, v, beta`` and a zero log decay, so padded chunks pass the state through.
+:func:`_decayed_grams`), and the gradient in ``g`` follows the same sums (:func:`_gram_grads`):
+unbounded softplus gates and masks such as ``g = -1e4`` stay finite and precise. Varlen batches are
+laid out as ``[N, chunks]`` of their longest sequence; padded tokens have zero ``q, k, v, beta``
+and a zero log decay, so padded chunks pass the state through. The backward is one registered op
+(``flashkda::chunk_bwd``), so torch.compile traces a training call without looking inside it.
 """
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ class ChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        o = ctx.options
+        opt = ctx.options
         needs = ctx.needs_input_grad[2:]
         tensors = ctx.saved_tensors
         grads = torch.ops.flashkda.chunk_bwd(
-            do, dht, *tensors, o.cu_seqlens, o.cu_seqlens_cpu, o.scale, o.use_qk_l2norm_in_kernel,
-            o.use_gate_in_kernel, o.lower_bound, o.use_beta_sigmoid_in_kernel, o.allow_neg_eigval, o.state_v_first,
-            _needs_mask(needs, tensors))
+            do, dht, *tensors, opt.cu_seqlens, opt.cu_seqlens_cpu, opt.scale, opt.use_qk_l2norm_in_kernel,
+            opt.use_gate_in_kernel, opt.lower_bound, opt.use_beta_sigmoid_in_kernel, opt.allow_neg_eigval,
+            opt.state_v_first, _needs_mask(needs, tensors))
         return (None, None, *(gr if m else None for gr, m in zip(grads, _needs_flags(needs, tensors))))
 
 
