@@ -62,3 +62,8 @@ TRAIN_ROWS = {
 }
 TRAIN_GDN_ROW = "train_gdn_T8k_H32"
 TRAIN_MAX_RATIO = 0.6
+
+# Context parallelism (bench/cp_bench.py): case -> sequence lengths; H = 32, D = 128, split over 1, 2
+# and 4 GPUs. Required: 2 GPUs at least CP_MIN_SPEEDUP_2 x one GPU on the single long sequence.
+CP_ROWS = {"cp_T1M_H32": [1 << 20], "cp_B16x64k_H32": [1 << 16] * 16}
+CP_MIN_SPEEDUP_2 = 1.8
