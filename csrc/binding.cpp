@@ -34,6 +34,7 @@
 #include "flashkda/api.h"
 #include "flashkda/common/constants.h"
 #include "flashkda/common/static_switch.h"
+#include "flashkda/prefill/chunk_plan.h"
 
 namespace flashkda {
 namespace {
@@ -656,32 +657,10 @@ at::Tensor rows16(const at::Tensor& t) {
   return t.dim() == 0 || has_rows16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// Chunks per segment for few long chains, or 0 for whole chains. chunk_recurrence holds one block
-// per SM and spends about the same time per chunk whatever the grid (H200: 1.66 µs at T = 32768,
-// H = 8, and 1.68 µs at T = 8192, H = 16), so a launch costs (chunks per block) × (waves of blocks).
-// Segments of c chunks cost c × (waves of the local pass, which runs twice the blocks, plus waves
-// of the output pass) plus one scan step per segment (about 2 µs, counted as one chunk);
-// they are taken when that saves at least a sixth. `chunks` is per sequence (the mean with
-// cu_seqlens: lengths live on the device), `chains` the blocks of one whole-chain launch.
-int64_t auto_segment_chunks(int64_t chunks, int64_t chains, int64_t sms) {
-  auto waves = [sms](int64_t blocks) { return (blocks + sms - 1) / sms; };
-  int64_t best = 0, best_cost = chunks * waves(chains) * 5 / 6;
-  for (int64_t c = 16; c < chunks; c *= 2) {
-    const int64_t segments = (chunks + c - 1) / c;
-    const int64_t cost = c * (waves(2 * chains * segments) + waves(chains * segments)) + segments;
-    if (cost < best_cost) best = c, best_cost = cost;
-  }
-  return best;
-}
-
 // Chunked forward (prefill). Shapes and semantics: docs/SPEC.md, chunk_kda / chunk_gated_delta_rule;
-// K == V == chunk::kHeadDim, bf16 or fp16 token tensors. The workspace (one record per chunk and
-// value head, plus the varlen chunk index) comes from PyTorch's caching allocator, so under
-// CUDA-graph capture it lives in the graph's private pool. value_split: blocks per (sequence,
-// head) in chunk_recurrence, 1 or 2; 0 picks by the number of (sequence, head) chains.
-// segment_chunks: 0 runs each sequence's recurrence in one chain; n > 0 cuts it into segments of n
-// chunks that run in parallel and are joined by a scan (RecurrencePass, chunk_params.h); -1 picks
-// by auto_segment_chunks. Serving mode (ssm_state_indices [N] given): `initial_state` is None and
+// K == V == chunk::kHeadDim, bf16 or fp16 token tensors. Planned and run by chunk_plan.h
+// (value_split and segment_chunks as plan_chunk takes them); the workspace comes from PyTorch's
+// caching allocator, so under CUDA-graph capture it lives in the graph's private pool. Serving mode (ssm_state_indices [N] given): `initial_state` is None and
 // `final_state` is the slot pool, read at idx[n] (zeros where has_initial_state[n] is false) and
 // written there in place.
 void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
@@ -754,83 +733,17 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
     TORCH_CHECK(!chunk_state_slots.has_value(), "flashkda: chunk_state_slots needs chunk_states");
   }
 
-  const int64_t chunk = chunk::kChunk;
-  int64_t slots = 0;
-  if (p.cu_seqlens != nullptr) {
-    slots = (int64_t(p.T) + (chunk - 1) * p.N) / chunk;  // >= Σ ceil(len_n / kChunk) for any split of T
-  } else {
-    p.chunks_per_seq = int32_t((p.T + chunk - 1) / chunk);
-    slots = int64_t(p.B) * p.chunks_per_seq;
-  }
-  TORCH_CHECK(slots < (int64_t(1) << 31), "flashkda: too many chunks");
-  p.num_chunk_slots = int32_t(slots);
   const c10::cuda::CUDAGuard guard(q.device());
   p.num_sms = num_sms(q.get_device());
   p.kernel_family = kernel_family();
-  // chunk_recurrence runs one block per SM (its shared memory): split a chain's value columns over
-  // two blocks only while all blocks still fit in one wave (measured on the H200: H = 64 split 0.29
-  // ms vs 0.49 unsplit; H = 96 split 0.57 ms, two waves, vs 0.50 unsplit).
-  if (value_split == 0) value_split = 2 * int64_t(p.N) * p.HV <= p.num_sms ? 2 : 1;
-  TORCH_CHECK(value_split == 1 || value_split == 2, "flashkda: value_split must be 0, 1 or 2");
-  p.value_split = int32_t(value_split);
-  TORCH_CHECK(segment_chunks >= -1, "flashkda: segment_chunks must be -1 (auto), 0 or more, got ", segment_chunks);
-  // With cu_seqlens one sequence may hold every token: size the grid for that.
-  const int64_t max_chunks = p.cu_seqlens != nullptr ? (int64_t(p.T) + chunk - 1) / chunk : p.chunks_per_seq;
-  const bool auto_segments = segment_chunks == -1;
-  if (auto_segments) {
-    const int64_t mean_chunks = p.cu_seqlens == nullptr ? p.chunks_per_seq : max_chunks / std::max(p.N, 1);
-    segment_chunks = auto_segment_chunks(mean_chunks, int64_t(p.N) * p.HV * value_split, p.num_sms);
-  }
-  // The segment passes keep N × segments per sequence in one grid (grid z: chunk::kMaxGridRows).
-  const int64_t segments =
-      segment_chunks > 0 ? std::max<int64_t>(1, (max_chunks + segment_chunks - 1) / segment_chunks) : 0;
-  if (auto_segments && segments * p.N > chunk::kMaxGridRows) segment_chunks = 0;
-  p.recurrence_pass = chunk::RecurrencePass::kWhole;
-  if (segment_chunks > 0) {
-    TORCH_CHECK(segments * p.N <= chunk::kMaxGridRows, "flashkda: too many segments (", segments,
-                " per sequence, ", p.N, " sequences): choose more chunks per segment");
-    p.segment_chunks = int32_t(segment_chunks);
-    p.segments_per_seq = int32_t(segments);
-  }
-  const int64_t record_bytes = slots * p.HV * chunk::WorkspaceLayout::kRecordBytes;
-  const int64_t segment_bytes =
-      segment_count(p) * chunk::SegmentLayout::kKinds * p.HV * chunk::SegmentLayout::kMatrixFloats * 4;
-  // Varlen index: ordered_spans (int4, first: 16-byte aligned after the records and segments), then
-  // slot_chunks (int64), then chunk_offsets.
-  const int64_t order_bytes = p.cu_seqlens != nullptr ? int64_t(p.N) * 16 : 0;
-  const int64_t slot_bytes = p.cu_seqlens != nullptr ? slots * 8 : 0;
-  const int64_t index_bytes = p.cu_seqlens != nullptr ? order_bytes + slot_bytes + (int64_t(p.N) + 1) * 4 : 0;
-  const at::Tensor workspace = at::empty({record_bytes + segment_bytes + index_bytes}, q.options().dtype(at::kByte));
-  uint8_t* const ws = static_cast<uint8_t*>(workspace.data_ptr());
-  p.workspace = ws;
-  if (segment_bytes > 0) p.seg_states = reinterpret_cast<float*>(ws + record_bytes);  // 16-byte aligned
-  if (p.cu_seqlens != nullptr) {
-    p.ordered_spans = reinterpret_cast<int32_t*>(ws + record_bytes + segment_bytes);
-    p.slot_chunks = reinterpret_cast<int64_t*>(ws + record_bytes + segment_bytes + order_bytes);
-    p.chunk_offsets = reinterpret_cast<int32_t*>(ws + record_bytes + segment_bytes + order_bytes + slot_bytes);
-  }
-
+  ChunkWorkspace ws;
+  const std::string why = plan_chunk(p, value_split, segment_chunks, ws);
+  TORCH_CHECK(why.empty(), "flashkda: ", why);
+  const at::Tensor workspace = at::empty({ws.total()}, q.options().dtype(at::kByte));
+  carve_chunk_workspace(p, ws, workspace.data_ptr());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cudaError_t err = cudaSuccess;
-  auto run = [&](auto elem) {
-    using Elem = decltype(elem);
-    if (p.cu_seqlens != nullptr && err == cudaSuccess) err = run_chunk_index(p, stream);
-    if (err == cudaSuccess) err = run_chunk_prepare<Elem>(p, stream);
-    auto recurrence = [&](chunk::RecurrencePass pass) {
-      p.recurrence_pass = pass;
-      if (err == cudaSuccess)
-        err = value_split == 1 ? run_chunk_recurrence<Elem, chunk::kHeadDim>(p, stream)
-                               : run_chunk_recurrence<Elem, chunk::kHeadDim / 2>(p, stream);
-    };
-    if (p.segment_chunks == 0) {
-      recurrence(chunk::RecurrencePass::kWhole);
-    } else {
-      recurrence(chunk::RecurrencePass::kSegmentLocal);
-      if (err == cudaSuccess) err = run_chunk_segment_scan(p, stream);
-      recurrence(chunk::RecurrencePass::kSegmentOutput);
-    }
-  };
-  if (q.scalar_type() == at::kBFloat16) run(__nv_bfloat16{}); else run(__half{});
+  const cudaError_t err = q.scalar_type() == at::kBFloat16 ? run_chunk_forward<__nv_bfloat16>(p, stream)
+                                                           : run_chunk_forward<__half>(p, stream);
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked kernel launch failed: ", cudaGetErrorString(err));
 }
 

@@ -9,7 +9,7 @@ the run-time switches read from the environment at import.
 * ``FLASHKDA_CHUNK_SEGMENT=auto|0|n``: cut each sequence's chunked recurrence into segments of n
   chunks (64 tokens each) that run in parallel and are joined by a scan of their affine state maps;
   0 runs each chain whole; ``auto`` (default, stored as -1) segments few long (sequence, head)
-  chains, as under tensor parallelism, by a cost model in the binding (``auto_segment_chunks``).
+  chains, as under tensor parallelism, by a cost model (``auto_segment_chunks`` in chunk_plan.h).
 * ``FLASHKDA_KERNEL_FAMILY=auto|sm80|sm90``: the kernel family. ``sm90`` (and ``auto``, the
   default) runs the newer decode kernels for the cases they cover (decode-sized calls of at most 8
   tokens per sequence on average, V-first state, K = V = 128, one slot per sequence, 16-byte
