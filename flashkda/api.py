@@ -555,10 +555,10 @@ def _recurrent(fn, scalar_gate, q, k, v, g, beta, A_log, dt_bias, scale, initial
                state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, out, cu_seqlens_cpu=None):
     p = _validate(fn, q, k, v, g, beta, scalar_gate=scalar_gate, scale=scale, initial_state=initial_state,
                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_gate_in_kernel=use_gate_in_kernel,
-                  A_log=A_log,
-                  dt_bias=dt_bias, lower_bound=lower_bound, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                  allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
-                  ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out)
+                  A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+                  state_v_first=state_v_first, ssm_state_indices=ssm_state_indices,
+                  num_accepted_tokens=num_accepted_tokens, out=out)
     lb = lower_bound if use_gate_in_kernel else None
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state),
                     ("A_log", A_log if use_gate_in_kernel else None),

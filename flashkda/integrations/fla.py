@@ -132,10 +132,10 @@ def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, 
 
 def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes,
                           state_v_first) -> Tuple[Optional[str], bool]:
-    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: context parallelism under
-    autograd, their ``**kwargs``, ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of
-    them rejects the call) and the state layout. Calls under autograd are served only with
-    ``FLASHKDA_FLA_TRAINING=1`` (flashkda then records the graph and computes FLA's gradients)."""
+    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: autograd (served only with
+    ``FLASHKDA_FLA_TRAINING=1``, and never with context parallelism), their ``**kwargs``,
+    ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of them rejects
+    the call) and the state layout."""
     if _needs_grad(*tensors) and os.environ.get(TRAINING_ENV_VAR, "0").strip() != "1":
         return (f"an input requires grad: flashkda's backward is slower than FLA's ({TRAINING_ENV_VAR}=1 "
                 "serves training calls)"), state_v_first
