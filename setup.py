@@ -113,7 +113,7 @@ def cuda_extension():
 
     archs = os.environ.get("FLASHKDA_CUDA_ARCHS", DEFAULT_ARCHS)
     nvcc_threads = os.environ.get("NVCC_THREADS", "2")
-    sources = ["csrc/binding.cpp"] + sorted(glob.glob("csrc/kernels/*.cu"))
+    sources = sorted(glob.glob("csrc/binding/*.cpp")) + sorted(glob.glob("csrc/kernels/*.cu"))
     include_dirs = [os.path.join(ROOT, "csrc"), find_cutlass_include()]
     ext = CUDAExtension(
         name="flashkda._C",

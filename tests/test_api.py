@@ -183,7 +183,7 @@ def test_import_reports_extension_state():
 # --------------------------------------------------------------------------------------------
 
 needs_extension = pytest.mark.skipif(not _ext.HAS_EXTENSION, reason="needs the compiled extension")
-#: The fast entry's answer for inputs it would launch on, but on the CPU (kNotCuda in csrc/binding.cpp).
+#: The fast entry's answer for inputs it would launch on, but on the CPU (kNotCuda in csrc/binding/fast_entry.cpp).
 PASSED_ALL_BUT_DEVICE = "q: not on a CUDA device"
 #: Errors of values that only a host copy shows: the CUDA path never syncs to look (docs/SPEC.md, "Errors"), so
 #: the fast entry passes them, and on the CPU the general path raises them.
@@ -524,7 +524,7 @@ def test_cuda_constants_match_python():
     chunk = (ROOT / "csrc" / "flashkda" / "prefill" / "chunk_params.h").read_text()
     assert int(re.search(r"constexpr int kHeadDim = (\d+);", chunk).group(1)) == C.CHUNK_HEAD_DIM
     assert int(re.search(r"constexpr int kChunk = (\d+);", chunk).group(1)) == C.CHUNK_STATE_TOKENS
-    binding = (ROOT / "csrc" / "binding.cpp").read_text()
+    binding = (ROOT / "csrc" / "binding" / "device.cpp").read_text()
     assert int(re.search(r"constexpr int kMinComputeMajor = (\d+);", binding).group(1)) == \
         _ext.MIN_COMPUTE_CAPABILITY[0]
 

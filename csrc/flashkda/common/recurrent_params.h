@@ -1,5 +1,5 @@
 // Parameters of the token-by-token (decode) recurrence. Framework-free: raw pointers, element
-// strides and small enums; the torch binding fills it in csrc/binding.cpp.
+// strides and small enums; the torch binding fills it in csrc/binding/params.cpp.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
 // Parameters and workspace layout of the chunked forward (prefill): chunk_prepare (parallel over
 // chunks) writes a per-(chunk, value head) record; chunk_recurrence walks each sequence's chunks in
-// order, carrying the fp32 state. Framework-free; filled in csrc/binding.cpp.
+// order, carrying the fp32 state. Framework-free; filled in csrc/binding/ and tests/cpp/.
 #pragma once
 
 #include <cstdint>
