@@ -298,3 +298,28 @@ def test_cuda_training_call_compiles():
     for name, a, b in zip(NAMES, got, eager):
         if b is not None:
             torch.testing.assert_close(a, b, msg=f"d{name}")
+
+
+def test_chunk_function_traces_fullgraph():
+    """torch.compile(fullgraph=True) traces ChunkFunction: its forward (here the reference; on a GPU the
+    kernels' registered op) and the opaque backward op, with the eager gradients."""
+    kw = make_inputs(T=40, H=2, D=16, seed=1)
+    opts = ChunkOptions(16 ** -0.5, True, True, -5.0, True, False, False, None, None)
+
+    def fn(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        call = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state)
+
+        def run():
+            return kda_reference(**call, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                 lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, scale=opts.scale)
+
+        return ChunkFunction.apply(run, opts, q, k, v, g, beta, A_log, dt_bias, initial_state)
+
+    def grads(f):
+        leaves = [kw[n].detach().clone().requires_grad_() for n in NAMES]
+        o, s = f(*leaves)
+        return torch.autograd.grad([o.square().sum(), s.sum()], leaves)
+
+    torch.compiler.reset()
+    for name, a, b in zip(NAMES, grads(torch.compile(fn, fullgraph=True, backend="aot_eager")), grads(fn)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{name}")
