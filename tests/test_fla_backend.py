@@ -495,3 +495,27 @@ def test_gpu_training_call_served(kernel_calls, monkeypatch):
     assert len(kernel_calls) == n + 1
     (dq,) = torch.autograd.grad(o.float().square().sum(), [kw["q"]])
     assert dq.shape == kw["q"].shape and torch.isfinite(dq).all()
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_declined_decode_takes_the_general_path_once(monkeypatch, inplace):
+    """A decode call that the fast entry declines goes to the general path once, not through the
+    fast entry again (the kernels stubbed: on the CPU the entry declines every call)."""
+    from helpers import fast_spy
+
+    answers = fast_spy(monkeypatch, "_fast")
+    monkeypatch.setattr(integ, "_kernel_unsupported", lambda *args: None)
+    monkeypatch.setattr(kda_api, "_kernel_unsupported", lambda *args: None)
+    general = []
+
+    def stub(p, q, k, v, g, beta, *rest):
+        general.append(q)
+        return torch.zeros_like(v), None
+
+    monkeypatch.setattr(kda_api, "_run_recurrent_kernel", stub)
+    kw = _inputs(T=1, D=128)
+    extra = (dict(initial_state=_state(6, 4, 128), ssm_state_indices=torch.tensor([4, 1], dtype=torch.int32))
+             if inplace else dict(initial_state=_state(2, 4, 128), inplace_final_state=False))
+    with torch.no_grad():
+        integ.fused_recurrent_kda_fwd(**kw, **GATE, **extra, state_v_first=True)
+    assert len(answers) == 1 and isinstance(answers[0], str) and len(general) == 1

@@ -445,6 +445,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     else None. Takes every call of FLA's entry: one that :func:`fused_recurrent_kda_fwd_verifier`
     rejects runs FLA's own function with the same arguments (logged once at INFO).
     """
+    args = None
     if _api._fast is not None and not (_ext.config.force_reference or _ext.config.debug) and not _is_compiling():
         args = _fast_args(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
                           inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
@@ -454,6 +455,7 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
             r = _api._fast(*args)
             if r.__class__ is tuple:
                 return r  # serving: (out, the pool); otherwise (out, new state or None), as FLA returns
+    declined = args is not None  # the fast entry has seen these arguments: not again below
     # FLA asked no verifier (the backend registers none for this entry): the rules decide here.
     reason = fused_recurrent_kda_fwd_verifier(
         q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
@@ -467,21 +469,29 @@ def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, initial_
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None
     allow_neg_eigval = allow_neg_eigval and use_beta_sigmoid_in_kernel  # FLA ignores it without the sigmoid
-    common = dict(A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                  use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                  allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
-                  cu_seqlens=cu_seqlens, out=out)
+
+    def decode(output_final_state, ssm_state_indices, num_accepted_tokens):
+        if declined:  # straight to the general path, which words the errors and copies what it must
+            return _api._recurrent("fused_recurrent_kda", False, q, k, v, g, beta, A_log, dt_bias, scale,
+                                   initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                   use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first,
+                                   cu_seqlens, ssm_state_indices, num_accepted_tokens, out)
+        return _api.fused_recurrent_kda(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, state_v_first=state_v_first,
+            cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+            out=out)
+
     if inplace_final_state:
         if ssm_state_indices is None:
             N = _num_seqs(q, cu_seqlens)
             ssm_state_indices = torch.arange(N, dtype=torch.int32, device=q.device)
             num_accepted_tokens = None
-        o, _ = _api.fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
-                                        ssm_state_indices=ssm_state_indices,
-                                        num_accepted_tokens=num_accepted_tokens, **common)
+        o, _ = decode(False, ssm_state_indices, num_accepted_tokens)
         return o, initial_state
-    return _api.fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state,
-                                    output_final_state=output_final_state, **common)
+    return decode(output_final_state, None, None)
 
 
 # ----------------------------------------------------------------------------------------------
