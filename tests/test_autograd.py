@@ -323,3 +323,17 @@ def test_chunk_function_traces_fullgraph():
     torch.compiler.reset()
     for name, a, b in zip(NAMES, grads(torch.compile(fn, fullgraph=True, backend="aot_eager")), grads(fn)):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{name}")
+
+
+def test_chunk_backward_half_precision_leaves():
+    """bf16 inputs and a bf16 initial state: each gradient comes back in its input's dtype and shape,
+    within bf16 rounding of the fp64 gradients (A_log as [1, 1, HV, 1], dt_bias as [HV, K])."""
+    kw = make_inputs(lens=[33, 70], H=2, HV=4, D=16, gate="softplus", dtype=torch.bfloat16,
+                     state_dtype=torch.bfloat16, seed=17)
+    kw["A_log"] = kw["A_log"].reshape(1, 1, 4, 1)
+    kw["dt_bias"] = kw["dt_bias"].reshape(4, 16)
+    do, dht = _upstream(kw)
+    got = _through_chunk_function(kw, do, dht)
+    for name, gr in zip(NAMES, got):
+        assert gr.dtype == kw[name].dtype and gr.shape == kw[name].shape, name
+    _check_grads(got, grads64(kw, do, dht), 6e-3, "bf16")
