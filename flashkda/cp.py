@@ -2,17 +2,19 @@
 
 Every rank holds an equal contiguous slice of the packed tokens (``T / world_size`` each), and a
 sequence may straddle ranks. The recurrence's state is the only thing that crosses a rank boundary,
-and a slice acts on the state it receives affinely: for the sequence that leaves rank ``r``, the
-state after rank ``r``'s tokens is ``M_r S + E_r``, where ``S`` is the state it entered with,
-``M_r`` (``K x K`` per value head) the product of the slice's per-token maps
-``(I − β k kᵀ) diag(e^g)``, and ``E_r`` the state the slice leaves from a zero state. So:
+and a slice acts on the state it receives affinely: the state after the slice is ``M S + E``
+(``M``, ``K x K`` per value head, the product of the slice's per-token maps
+``(I − β k kᵀ) diag(e^g)``; ``E`` the state it leaves from a zero state), and each output is
+``o_t = o⁰_t + Sᵀ Φ_tᵀ q_t`` (``o⁰`` the output from a zero state, ``Φ_t`` the map up to token t). So
+each rank runs the prefill twice, both before any communication:
 
-1. each rank computes ``(M_r, E_r)`` of its last sequence with the prefill itself over that
-   sequence's piece: ``E_r`` from a zero state, ``M_r`` from the identity (``V = K`` columns) with
-   zero values;
-2. one all-gather shares every rank's maps (no chain of point-to-point messages);
-3. a rank whose first sequence began on an earlier rank folds the maps of the ranks in between:
-   ``S = E_s``, then ``S = M_j S + E_j``; and runs its prefill with that initial state.
+1. on all its tokens from zero states: ``o⁰``, and ``E`` of its last sequence;
+2. from the identity with zero values on its first sequence's piece (whose outputs are
+   ``Φ_tᵀ q_t``) and its last one's (whose final state is ``M``), packed into one call;
+
+then one all-gather shares every rank's ``(E, M)`` (no chain of point-to-point messages), and a rank
+whose first sequence began on an earlier rank folds the maps of the ranks in between (``S = E_s``,
+then ``S = M_j S + E_j``) and adds ``Sᵀ Φ_tᵀ q_t`` to that sequence's outputs.
 
 :class:`CPContext` (built by :func:`build_context`) has the fields of FLA's ``FLACPContext``, and
 FLA's own context works as well; FLA's restrictions hold: no ``initial_state``, no
@@ -83,7 +85,8 @@ def _gather(t: torch.Tensor, group) -> list:
 def chunk_with_context(fn, ctx, q, k, v, g, beta, *, state_v_first: bool = False, **kw):
     """``fn`` (``chunk_kda`` or ``chunk_gated_delta_rule``) on this rank's tokens under the context
     ``ctx`` (:class:`CPContext` or FLA's), returning ``(o, None)``; ``kw`` are ``fn``'s other
-    arguments (without ``initial_state``, ``output_final_state``, ``cu_seqlens``)."""
+    arguments (without ``initial_state``, ``output_final_state``, ``cu_seqlens``). ``state_v_first``
+    changes nothing here: no state goes in or out."""
     cu, cu_cpu = ctx.cu_seqlens, ctx.cu_seqlens_cpu
     if cu_cpu is None:
         cu_cpu = cu.cpu()
@@ -91,28 +94,40 @@ def chunk_with_context(fn, ctx, q, k, v, g, beta, *, state_v_first: bool = False
         raise ValueError(f"flashkda: under cp_context q must be [1, {int(cu_cpu[-1])}, H, K] (this rank's tokens "
                          f"per the context's cu_seqlens), got {list(q.shape)}")
     HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    N = cu_cpu.numel() - 1
-    # 1. (M, E) of the last sequence's piece: E from a zero state, M from the identity with zero values
-    # (two passes with the state's own shape when K == V, which the chunked kernels take).
-    a, b = int(cu_cpu[-2]), int(cu_cpu[-1])
-    pq, pk, pg, pb = (x[:, a:b] for x in (q, k, g, beta))
-    _, E = fn(pq, pk, v[:, a:b], pg, pb, output_final_state=True, state_v_first=False, **kw)
-    eye = torch.eye(K, device=q.device).expand(1, HV, K, K).contiguous()
-    _, M = fn(pq, pk, v.new_zeros(1, b - a, HV, K), pg, pb, initial_state=eye, output_final_state=True,
-              state_v_first=False, **kw)
-    # 2. Every rank's maps; 3. fold those of the ranks that hold the start of this rank's first sequence.
-    everyone = _gather(torch.cat([E[0], M[0]], dim=-1), ctx.group)  # [HV, K, V + K] each: E | M
-    rank = dist.get_rank(ctx.group)
-    init = None
-    if ctx.pre_num_ranks > 0:
+    first = int(cu_cpu[1])  # this rank's first sequence: tokens [0, first)
+    a = int(cu_cpu[-2])  # its last sequence: tokens [a, T)
+    needs_in, needs_out = ctx.pre_num_ranks > 0, ctx.post_num_ranks > 0
+    # 1. Every sequence from a zero state: the outputs without the incoming state, and E, the state
+    # the last sequence leaves with.
+    o, states = fn(q, k, v, g, beta, output_final_state=needs_out, state_v_first=False, cu_seqlens=cu,
+                   cu_seqlens_cpu=cu_cpu, **kw)
+    # 2. From the identity with zero values, over the first sequence's piece (its outputs are
+    # Φ_tᵀ q_t, the part of o_t that the incoming state S multiplies: o_t += Sᵀ Φ_tᵀ q_t) and the last
+    # one's (its final state is M): one call, the two pieces packed (one piece when they coincide).
+    pieces = [(0, first)] if needs_in else []
+    if needs_out and (a, q.shape[1]) not in pieces:
+        pieces.append((a, q.shape[1]))
+    M = through = None
+    if pieces:
+        cat = lambda x: torch.cat([x[:, lo:hi] for lo, hi in pieces], dim=1)  # noqa: E731
+        lens = [hi - lo for lo, hi in pieces]
+        cu_pieces = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        eye = torch.eye(K, device=q.device).expand(len(pieces), HV, K, K).contiguous()
+        through, ends = fn(cat(q), cat(k), v.new_zeros(1, sum(lens), HV, K), cat(g), cat(beta), initial_state=eye,
+                           output_final_state=True, state_v_first=False, cu_seqlens=cu_pieces.to(q.device),
+                           cu_seqlens_cpu=cu_pieces, **kw)
+        M = ends[-1]
+    # 3. One all-gather of every rank's (E | M) [HV, K, V + K] (zeros where the last sequence ends here).
+    mine = torch.cat([states[-1], M], dim=-1) if needs_out else torch.zeros(HV, K, V + K, device=q.device)
+    everyone = _gather(mine, ctx.group)
+    # 4. The incoming state, folded over the ranks that hold the first sequence's start, and its share
+    # of the first sequence's outputs.
+    if needs_in:
+        rank = dist.get_rank(ctx.group)
         s0 = rank - ctx.pre_num_ranks
         S = everyone[s0][..., :V]
         for j in range(s0 + 1, rank):
             S = everyone[j][..., V:] @ S + everyone[j][..., :V]
-        init = torch.zeros(N, HV, K, V, device=q.device)
-        init[0] = S
-        if state_v_first:
-            init = init.transpose(-1, -2).contiguous()
-    o, _ = fn(q, k, v, g, beta, initial_state=init, output_final_state=False, state_v_first=state_v_first,
-              cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, **kw)
+        extra = torch.einsum("bthk,hkv->bthv", through[:, :first].float(), S)
+        o[:, :first] = (o[:, :first].float() + extra).to(o.dtype)
     return o, None
