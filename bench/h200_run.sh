@@ -71,6 +71,10 @@ if [[ $what == check ]]; then
     >"$OUT/tests.log" 2>&1
   tail -2 "$OUT/tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-250
   timeout 90 python3 -m pytest -q -m slow tests/test_cuda_chunk.py -p no:cacheprovider 2>&1 | tail -1
+  # the library from C++ alone (CMake): a varlen prefill and a decode step against a host recurrence
+  { cmake -S . -B build/cmake -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null \
+      && cmake --build build/cmake -j 16 --target flashkda_prefill_decode >"$OUT/cmake.log" 2>&1 \
+      && timeout 60 ./build/cmake/flashkda_prefill_decode; } 2>&1 | tail -3
   for tool in memcheck racecheck; do  # also kept in $OUT/sanitize.txt (the printed tail may cut it)
     timeout 120 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \
       | grep -E "SUMMARY|Race reported|Invalid|access at" | head -12 | tee -a "$OUT/sanitize.txt" | head -3
