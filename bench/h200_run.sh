@@ -8,8 +8,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # all | tests | bench | quick (TESTS, then bench/prefill_quick.py) | prefill (benchmark rows with the FLA
 # baselines, no sweep) | check (every GPU test with a time limit per step, the 64-bit test, the C++
 # example built by CMake, the sanitizers on the chunked path, decode kernel times by family with FLA,
-# host overhead, and
-# bench/prefill_quick.py on the benchmark rows: one call of about five minutes after the build; with
+# host overhead, and bench/prefill_quick.py on the benchmark rows: one call of about five minutes
+# after the build; with
 # DECODE_SWEEP=1 also bench/harness/run_decode.sh, with PREPARE_CLOCKS=1 bench/harness/run_prepare.sh)
 # | ab (bench/harness/ab_prepare.sh on the chunk_prepare variants in PATCHES, or with AB_LIBRARY=1
 # bench/harness/ab_library.sh on whole-library variants (DECODE=1: decode too; HOST=1: the eager
