@@ -1,7 +1,8 @@
-// Declarations shared by the torch binding, which is split by job: params.cpp turns tensors into the framework-free params structs
-// of csrc/flashkda (with the safety-net checks), device.cpp keeps the per-device facts and the
-// kernel family, ops.cpp holds the general entry points (recurrent_fwd, chunk_fwd), fast_entry.cpp
-// the eager fast paths, module.cpp the op and module registration. Only these files include torch.
+// Declarations shared by the torch binding, which is split by job: params.cpp turns tensors into
+// the framework-free params structs of csrc/flashkda (with the safety-net checks), device.cpp keeps
+// the per-device facts and the kernel family, ops.cpp holds the general entry points
+// (recurrent_fwd, chunk_fwd), fast_entry.cpp the eager fast paths, module.cpp the op and module
+// registration. Only these files include torch.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -93,6 +94,16 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
                int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                const std::optional<at::Tensor>& chunk_state_slots, const std::optional<at::Tensor>& ssm_state_indices,
                const std::optional<at::Tensor>& has_initial_state);
+void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                    const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                    const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
+                    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& final_state,
+                    const at::Tensor& o, double scale, int64_t gate_mode, double lower_bound, bool l2norm,
+                    bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first, int64_t value_split,
+                    int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
+                    const std::optional<at::Tensor>& chunk_state_slots,
+                    const std::optional<at::Tensor>& ssm_state_indices,
+                    const std::optional<at::Tensor>& has_initial_state, bool checked);
 
 }  // namespace flashkda::binding
 

@@ -431,12 +431,13 @@ PyObject* chunk(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
     at::Tensor o = at::empty(c.v->sizes(), c.v->options());
     at::Tensor state_new;
     if (new_state) state_new = at::empty({c.N, c.v->size(2), q.size(3), q.size(3)}, q.options().dtype(at::kFloat));
-    chunk_fwd(q, *c.k, *c.v, *c.g, *c.beta, optional_of(c.A_log), optional_of(c.dt_bias), optional_of(c.cu_seqlens),
-              serving ? std::nullopt : optional_of(c.initial_state),
-              serving ? optional_of(c.initial_state) : optional_of(new_state ? &state_new : nullptr), o, c.scale,
-              int64_t(c.gate_mode), c.lower_bound, c.l2norm, c.beta_sigmoid, c.allow_neg_eigval, c.state_v_first,
-              value_split, segment_chunks, std::nullopt, std::nullopt, optional_of(c.indices),
-              optional_of(c.has_initial_state));
+    // check_chunk applied every rule of chunk_fwd's safety net: it does not run again.
+    chunk_fwd_impl(q, *c.k, *c.v, *c.g, *c.beta, optional_of(c.A_log), optional_of(c.dt_bias),
+                   optional_of(c.cu_seqlens), serving ? std::nullopt : optional_of(c.initial_state),
+                   serving ? optional_of(c.initial_state) : optional_of(new_state ? &state_new : nullptr), o, c.scale,
+                   int64_t(c.gate_mode), c.lower_bound, c.l2norm, c.beta_sigmoid, c.allow_neg_eigval,
+                   c.state_v_first, value_split, segment_chunks, std::nullopt, std::nullopt, optional_of(c.indices),
+                   optional_of(c.has_initial_state), /*checked=*/true);
     return pair(THPVariable_Wrap(std::move(o)), serving     ? new_ref(args[kInitialState])
                                                 : new_state ? THPVariable_Wrap(std::move(state_new))
                                                             : new_ref(Py_None));

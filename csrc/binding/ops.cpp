@@ -73,9 +73,9 @@ void recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // Chunked forward (prefill). Shapes and semantics: docs/SPEC.md, chunk_kda / chunk_gated_delta_rule;
 // K == V == chunk::kHeadDim, bf16 or fp16 token tensors. Planned and run by chunk_plan.h
 // (value_split and segment_chunks as plan_chunk takes them); the workspace comes from PyTorch's
-// caching allocator, so under CUDA-graph capture it lives in the graph's private pool. Serving mode (ssm_state_indices [N] given): `initial_state` is None and
-// `final_state` is the slot pool, read at idx[n] (zeros where has_initial_state[n] is false) and
-// written there in place.
+// caching allocator, so under CUDA-graph capture it lives in the graph's private pool. Serving mode
+// (ssm_state_indices [N] given): `initial_state` is None and `final_state` is the slot pool, read at
+// idx[n] (zeros where has_initial_state[n] is false) and written there in place.
 void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                const at::Tensor& beta, const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
@@ -84,20 +84,40 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
                int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                const std::optional<at::Tensor>& chunk_state_slots, const std::optional<at::Tensor>& ssm_state_indices,
                const std::optional<at::Tensor>& has_initial_state) {
+  chunk_fwd_impl(q_in, k_in, v_in, g_in, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
+                 gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, value_split,
+                 segment_chunks, chunk_states, chunk_state_slots, ssm_state_indices, has_initial_state,
+                 /*checked=*/false);
+}
+
+// `checked`: the caller (the eager fast entry, whose check_chunk covers this function's safety net)
+// has checked every argument, which then is not checked a second time.
+void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
+                    const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                    const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
+                    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& final_state,
+                    const at::Tensor& o, double scale, int64_t gate_mode, double lower_bound, bool l2norm,
+                    bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first, int64_t value_split,
+                    int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
+                    const std::optional<at::Tensor>& chunk_state_slots,
+                    const std::optional<at::Tensor>& ssm_state_indices,
+                    const std::optional<at::Tensor>& has_initial_state, bool checked) {
   const at::Tensor q = rows16(q_in), k = rows16(k_in), v = rows16(v_in);
   const at::Tensor g = g_in.dim() == 4 ? rows16(g_in) : g_in;  // the scalar gate is read element by element
-  check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
-  if (ssm_state_indices.has_value()) {
-    check_serving_state(initial_state, final_state, *ssm_state_indices, q);
-    TORCH_CHECK(ssm_state_indices->dim() == 1 && ssm_state_indices->is_contiguous(),
-                "flashkda: the prefill's ssm_state_indices must be a contiguous [N] tensor");
-  }
-  if (has_initial_state.has_value()) {
-    TORCH_CHECK(ssm_state_indices.has_value(), "flashkda: has_initial_state needs ssm_state_indices");
-    check_cuda(*has_initial_state, q, "has_initial_state");
-    TORCH_CHECK(has_initial_state->scalar_type() == at::kBool && has_initial_state->dim() == 1 &&
-                    has_initial_state->is_contiguous(),
-                "flashkda: has_initial_state must be a contiguous bool [N] tensor");
+  if (!checked) {
+    check_token_tensors(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, o);
+    if (ssm_state_indices.has_value()) {
+      check_serving_state(initial_state, final_state, *ssm_state_indices, q);
+      TORCH_CHECK(ssm_state_indices->dim() == 1 && ssm_state_indices->is_contiguous(),
+                  "flashkda: the prefill's ssm_state_indices must be a contiguous [N] tensor");
+    }
+    if (has_initial_state.has_value()) {
+      TORCH_CHECK(ssm_state_indices.has_value(), "flashkda: has_initial_state needs ssm_state_indices");
+      check_cuda(*has_initial_state, q, "has_initial_state");
+      TORCH_CHECK(has_initial_state->scalar_type() == at::kBool && has_initial_state->dim() == 1 &&
+                      has_initial_state->is_contiguous(),
+                  "flashkda: has_initial_state must be a contiguous bool [N] tensor");
+    }
   }
   // chunk_prepare reads fp32 gate parameters (fp32_a_log in chunk_prepare.cuh says why).
   auto fp32 = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
@@ -108,18 +128,19 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
   set_token_params(p, q, k, v, g, beta, opt(A_log32), opt(dt_bias32), opt(cu_seqlens), o, scale,
                    static_cast<GateMode>(gate_mode), lower_bound, l2norm, beta_sigmoid, allow_neg_eigval,
                    state_v_first);
-  TORCH_CHECK(p.D == chunk::kHeadDim, "flashkda: the chunked kernels take K == V == ", chunk::kHeadDim);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-              "flashkda: the chunked kernels take bfloat16 or float16 q, k, v");
-  TORCH_CHECK(has_rows16(o), "flashkda: o must be 16-byte aligned with 16-byte strides");
   set_state_params(p, opt(initial_state), opt(final_state), opt(ssm_state_indices), nullptr);
-  check_states(p, q, initial_state, final_state);
-  if (ssm_state_indices.has_value())
-    TORCH_CHECK(ssm_state_indices->size(0) == p.N, "flashkda: ssm_state_indices must have N = ", p.N, " entries");
-  if (has_initial_state.has_value()) {
-    TORCH_CHECK(has_initial_state->size(0) == p.N, "flashkda: has_initial_state must have N = ", p.N, " entries");
-    p.has_initial_state = has_initial_state->data_ptr<bool>();
+  if (!checked) {
+    TORCH_CHECK(p.D == chunk::kHeadDim, "flashkda: the chunked kernels take K == V == ", chunk::kHeadDim);
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+                "flashkda: the chunked kernels take bfloat16 or float16 q, k, v");
+    TORCH_CHECK(has_rows16(o), "flashkda: o must be 16-byte aligned with 16-byte strides");
+    check_states(p, q, initial_state, final_state);
+    if (ssm_state_indices.has_value())
+      TORCH_CHECK(ssm_state_indices->size(0) == p.N, "flashkda: ssm_state_indices must have N = ", p.N, " entries");
+    if (has_initial_state.has_value())
+      TORCH_CHECK(has_initial_state->size(0) == p.N, "flashkda: has_initial_state must have N = ", p.N, " entries");
   }
+  if (has_initial_state.has_value()) p.has_initial_state = has_initial_state->data_ptr<bool>();
   // States at chunk starts (ChunkParams::chunk_states): dense [entries, HV, D, D], or a pool of
   // slots named by chunk_state_slots [N, cols].
   if (chunk_states.has_value()) {
