@@ -76,10 +76,14 @@ def build_context(cu_seqlens: torch.Tensor, group: Optional[Any] = None,
 
 
 def _gather(t: torch.Tensor, group) -> list:
-    """Every rank's ``t``, by one all-gather."""
+    """Every rank's ``t``, by one all-gather (through host memory on a gloo group, which is for CPU
+    tensors: ranks sharing one GPU, tests)."""
+    device = t.device
+    if t.is_cuda and dist.get_backend(group) == "gloo":
+        t = t.cpu()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
-    return out
+    return [x.to(device) for x in out]
 
 
 def chunk_with_context(fn, ctx, q, k, v, g, beta, *, state_v_first: bool = False, **kw):

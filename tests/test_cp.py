@@ -49,13 +49,16 @@ def _call(kw, gdn, **extra):
     return fn(**kw, **extra)
 
 
-def _worker(rank, world, init_file, out_dir, cases, gpu=False):
+def _worker(rank, world, init_file, out_dir, cases, gpu=False, shared_gpu=False):
+    """One rank: ``gpu`` one GPU per rank over NCCL; ``shared_gpu`` every rank on GPU 0 over gloo (the
+    kernels on a machine with one GPU); else the CPU over gloo."""
+    device = "cuda:0" if shared_gpu else f"cuda:{rank}" if gpu else "cpu"
     if gpu:
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         for name, _, lens, gdn, v_first, gate in cases:
-            kw = _inputs(lens, gdn, v_first, gate, f"cuda:{rank}" if gpu else "cpu")
+            kw = _inputs(lens, gdn, v_first, gate, device)
             ctx = build_context(kw.pop("cu_seqlens"))
             part = sum(lens) // world
             for key in ("q", "k", "v", "g", "beta"):
@@ -64,7 +67,7 @@ def _worker(rank, world, init_file, out_dir, cases, gpu=False):
             assert ht is None
             fla_o = None
             if _fla_context is not None:  # FLA's own context object serves the same call
-                fla_o, _ = _call(kw, gdn, cp_context=_fla_context(ctx_cu(lens), group=dist.group.WORLD))
+                fla_o, _ = _call(kw, gdn, cp_context=_fla_context(ctx_cu(lens).to(device), group=dist.group.WORLD))
             o, fla_o = o.cpu(), None if fla_o is None else fla_o.cpu()
             torch.save(dict(o=o, fla_o=fla_o, pre=ctx.pre_num_ranks, post=ctx.post_num_ranks,
                             cu=ctx.cu_seqlens_cpu.tolist()), os.path.join(out_dir, f"{name}_{rank}.pt"))
@@ -72,11 +75,12 @@ def _worker(rank, world, init_file, out_dir, cases, gpu=False):
         dist.destroy_process_group()
 
 
-def _run_and_compare(world, cases, gpu, tol):
+def _run_and_compare(world, cases, gpu, tol, shared_gpu=False):
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cases, gpu), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), tmp, cases, gpu, shared_gpu), nprocs=world,
+                 join=True)
         for name, _, lens, gdn, v_first, gate in cases:
-            kw = _inputs(lens, gdn, v_first, gate, "cuda:0" if gpu else "cpu")
+            kw = _inputs(lens, gdn, v_first, gate, "cuda:0" if gpu or shared_gpu else "cpu")
             want, _ = _call(kw, gdn)
             part = sum(lens) // world
             for rank in range(world):
@@ -90,6 +94,17 @@ def _run_and_compare(world, cases, gpu, tol):
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_matches_one_process(world):
     _run_and_compare(world, [c for c in CASES if c[1] == world], gpu=False, tol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_kernels_on_one_gpu(world):
+    """Every rank on the one GPU (gloo for the all-gather): the kernels' path of every rank, bf16,
+    against the one-process result on the same GPU."""
+    cases = [(n, world, lens, gdn, v_first, gate) for n, _, lens, gdn, v_first, gate in CASES
+             if sum(lens) % world == 0] + [("long", world, [64 * 12 * world - 100, 100], False, True, "lower_bound")]
+    _run_and_compare(world, cases, gpu=False, tol=CHUNK_TOL[torch.bfloat16][0], shared_gpu=True)
 
 
 @pytest.mark.cuda
