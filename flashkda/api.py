@@ -516,8 +516,9 @@ def _chunk(fn, scalar_gate, q, k, v, g, beta, scale, initial_state, output_final
 
 
 def _needs_grad(*tensors) -> bool:
-    """Whether autograd is enabled and one of ``tensors`` (None allowed) requires grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd is enabled and one of ``tensors`` (anything else, None included, is skipped)
+    requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _chunk_with_grad(fn, p: _Problem, q, k, v, g, beta, A_log, dt_bias, initial_state, output_final_state,

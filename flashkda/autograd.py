@@ -150,10 +150,15 @@ def _chunk_rows(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[tor
     return torch.where(pos[None] < lens[:, None], starts[:, None] + pos[None], T), N, J
 
 
+def _suffix_sums(x: torch.Tensor) -> torch.Tensor:
+    """``Σ_{i >= t} x_i`` along dim -2."""
+    return x.flip(-2).cumsum(-2).flip(-2)
+
+
 def _exclusive_suffix_sums(g: torch.Tensor) -> torch.Tensor:
     """``Σ_{t > i} g_t`` along dim -2, summing only those terms (no difference of long sums, which
     would lose the small terms beside a ``-1e4`` mask)."""
-    s = g.flip(-2).cumsum(-2).flip(-2)
+    s = _suffix_sums(g)
     return torch.cat([s[..., 1:, :], torch.zeros_like(s[..., :1, :])], dim=-2)
 
 
@@ -271,11 +276,6 @@ def _chunk_local(q, k, v, beta, dec: _Decays) -> _Local:
 def _exclusive_prefix_sums(x: torch.Tensor) -> torch.Tensor:
     """``Σ_{i < t} x_i`` along dim -2."""
     return torch.cat([torch.zeros_like(x[..., :1, :]), x[..., :-1, :].cumsum(-2)], dim=-2)
-
-
-def _suffix_sums(x: torch.Tensor) -> torch.Tensor:
-    """``Σ_{i >= t} x_i`` along dim -2."""
-    return x.flip(-2).cumsum(-2).flip(-2)
 
 
 def _gram_grads(dZ: torch.Tensor, x: torch.Tensor, y: torch.Tensor, dec: _Decays):

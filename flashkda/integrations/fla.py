@@ -110,10 +110,6 @@ _GDN_CHUNK_KWARGS = frozenset({"use_gate_in_kernel", "A_log", "dt_bias", "transp
 # ----------------------------------------------------------------------------------------------
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
 def _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias) -> Optional[str]:
     """Device, extension, FLASHKDA_FORCE_REFERENCE, head dims and dtypes (flashkda.api's rules)."""
     return _api._kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
@@ -136,10 +132,10 @@ def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes
     ``FLASHKDA_FLA_TRAINING=1``, and never with context parallelism), their ``**kwargs``,
     ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of them rejects
     the call) and the state layout."""
-    if _needs_grad(*tensors) and os.environ.get(TRAINING_ENV_VAR, "0").strip() != "1":
+    if _api._needs_grad(*tensors) and os.environ.get(TRAINING_ENV_VAR, "0").strip() != "1":
         return (f"an input requires grad: flashkda's backward is slower than FLA's ({TRAINING_ENV_VAR}=1 "
                 "serves training calls)"), state_v_first
-    if cp_context is not None and _needs_grad(*tensors):
+    if cp_context is not None and _api._needs_grad(*tensors):
         return "cp_context with an input that requires grad (flashkda's is forward-only)", state_v_first
     unknown = sorted(set(kwargs) - known_kwargs)
     if unknown:
@@ -179,7 +175,7 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
         if why is not None:
             return why
         cu_seqlens, cu_seqlens_cpu = cp_context.cu_seqlens, cp_context.cu_seqlens_cpu
-    if return_intermediate_states and _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+    if return_intermediate_states and _api._needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return "return_intermediate_states with an input that requires grad (FLA asserts inference mode)"
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
@@ -272,7 +268,7 @@ def _fused_recurrent_kda_fwd_reason(q, k, v, g, beta, A_log=None, dt_bias=None, 
         return f"q must be a torch.Tensor, got {type(q).__name__}"
     if not use_gate_in_kernel:
         A_log = dt_bias = lower_bound = None  # FLA reads them only for the fused gate
-    if _needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+    if _api._needs_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return "an input requires grad with autograd enabled (decode is forward-only)"
     if ssm_state_indices is not None:
         if isinstance(ssm_state_indices, torch.Tensor) and ssm_state_indices.dim() == 1:
