@@ -156,6 +156,20 @@ if HAS_EXTENSION:
             _chunk_smem_shortfall[index] = None if have is None else _C.chunk_smem_reason(have)
         return _chunk_smem_shortfall[index]
 
+    chunk_local_grad_op = torch.ops.flashkda.chunk_local_grad.default
+    CHUNK_BWD_MAX_SUBCHUNK_SPAN = _C.chunk_bwd_max_subchunk_span()
+    _chunk_bwd_shortfall: dict = {}
+
+    def chunk_bwd_shortfall(index: int):
+        """Why CUDA device ``index`` cannot run the chunked backward's kernel (it needs more shared
+        memory per block than sm_80 has), or None; one properties query per device."""
+        if index not in _chunk_bwd_shortfall:
+            have = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
+            need = _C.chunk_local_grad_smem_bytes()
+            _chunk_bwd_shortfall[index] = (None if have >= need else
+                                           f"{have} bytes of shared memory per block (the backward's kernel: {need})")
+        return _chunk_bwd_shortfall[index]
+
     @torch.library.register_fake("flashkda::chunk_fwd")
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
                         gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, value_split,

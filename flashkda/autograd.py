@@ -37,6 +37,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from flashkda import _constants as C
+from flashkda import _ext
 from flashkda.reference import preprocess
 
 __all__ = ["ChunkFunction", "ChunkOptions", "chunk_backward"]
@@ -46,6 +47,8 @@ _CHUNK = C.CHUNK_STATE_TOKENS
 #: ([..., 16, 16, K]), and with pivoted factors (8 tokens, ``x e^{γ−h}`` and ``k e^{h−γ}``, h the
 #: block's half decay) when every block's decay spans at most _PIVOT_SPAN in log space.
 _EXACT_BLOCK, _PIVOT_BLOCK = 16, 8
+#: Tokens per sub-chunk of the CUDA kernel pass (its pivot blocks; ``chunk::kSubChunk``).
+_SUB_CHUNK = 16
 #: Largest |log decay| over a pivoted block: factors up to e^{32}, products up to e^{64} (fp32
 #: reaches e^{88}). The lower-bound gate (at least -5 a token) always stays within it.
 _PIVOT_SPAN = 64.0
@@ -383,6 +386,85 @@ def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.T
     return nexts.view(J, N, HV, K, V).permute(1, 2, 0, 3, 4), dS0
 
 
+def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V: int) -> Optional[str]:
+    """Why the CUDA kernel pass (``chunk_local_grad``) cannot take this backward, or None. The gate
+    must keep every 16 consecutive tokens' log decay within the kernel's span: known from a lower
+    bound, else one look at the device (a synchronisation)."""
+    if not qp.is_cuda:
+        return "inputs not on a CUDA device"
+    if not _ext.HAS_EXTENSION:
+        return "the CUDA extension is not built"
+    if qp.shape[-1] != C.CHUNK_HEAD_DIM or V != C.CHUNK_HEAD_DIM:
+        return f"head dims K = {qp.shape[-1]}, V = {V} (the backward's kernel takes {C.CHUNK_HEAD_DIM})"
+    short = _ext.chunk_bwd_shortfall(qp.device.index)
+    if short is not None:
+        return short
+    span = _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN
+    if opts.use_gate_in_kernel and opts.lower_bound is not None and -opts.lower_bound * _SUB_CHUNK <= span:
+        return None
+    T = gp.shape[1]
+    window = gp.unfold(1, _SUB_CHUNK, 1).sum(-1) if T >= _SUB_CHUNK else gp.sum(1, keepdim=True)
+    if window.numel() and not bool((window >= -span).all()):
+        return f"log decays summing below -{span:g} over {_SUB_CHUNK} tokens"
+    return None
+
+
+def _kernel_chunks(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(bos, len, N, J)`` of the kernel's chunks, chunk ``j * N + n`` the j-th of sequence n (empty
+    past its end), ``J`` chunks of the longest. Reads ``cu_seqlens`` on the host."""
+    if cu_seqlens is None:
+        starts, lens = [n * T for n in range(B)], [T] * B
+    else:
+        host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+        starts, lens = host[:-1], [b - a for a, b in zip(host, host[1:])]
+    N = len(starts)
+    J = max((-(-n // _CHUNK) for n in lens), default=0)
+    offset = torch.arange(J, dtype=torch.long)[:, None] * _CHUNK
+    bos = torch.tensor(starts, dtype=torch.long)[None, :] + offset
+    length = (torch.tensor(lens, dtype=torch.long)[None, :] - offset).clamp(0, _CHUNK)
+    return bos.reshape(-1).to(device), length.reshape(-1).to(device, torch.int32), N, J
+
+
+def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
+    """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·] fp32, dS0)`` from the
+    preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group), the initial state
+    ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
+
+    The per-chunk kernel writes every chunk's state map (D, B) and Y = Pᵀ dO; two scans, one
+    batched multiply-add per chunk, give the states at chunk starts and the gradients of the states
+    after chunks; the kernel's second pass then writes every token's gradients."""
+    B, T, HV, K = qp.shape
+    V = v.shape[-1]
+    rows = B * T
+    bos, length, N, J = _kernel_chunks(B, T, opts.cu_seqlens, opts.cu_seqlens_cpu, qp.device)
+    f32 = torch.float32
+
+    def flat(x, d):
+        return x.reshape(rows, HV, d).to(f32).contiguous()
+
+    q32, k32, v32, g32 = flat(qp, K), flat(kp, K), flat(v, V), flat(gp, K)
+    b32 = bp.reshape(rows, HV).to(f32).contiguous()
+    dO = torch.zeros(rows, HV, V, dtype=f32, device=qp.device) if do is None else flat(do, V)
+    if J == 0:  # no token: the initial state's gradient is the final state's
+        zeros = torch.zeros_like(q32).view(B, T, HV, K)
+        return zeros, zeros, zeros.clone(), zeros.clone(), b32.new_zeros(B, T, HV), dS.clone()
+    D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
+    D, Bm, Y = (x.view(J, N * HV, K, x.shape[-1]) for x in (D, Bm, Y))
+    states = S0.new_empty(J, N * HV, K, V)
+    states[0] = S0.reshape(N * HV, K, V)
+    for j in range(J - 1):
+        torch.baddbmm(Bm[j], D[j], states[j], out=states[j + 1])
+    nexts = S0.new_empty(J, N * HV, K, V)
+    nexts[J - 1] = dS.reshape(N * HV, K, V)
+    for j in range(J - 1, 0, -1):
+        torch.baddbmm(Y[j], D[j].transpose(-1, -2), nexts[j], out=nexts[j - 1])
+    dS0 = torch.baddbmm(Y[0], D[0].transpose(-1, -2), nexts[0]).view(N, HV, K, V)
+    dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1,
+                                                  states.view(J * N, HV, K, V), nexts.view(J * N, HV, K, V))
+    return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),
+            db.view(B, T, HV), dS0)
+
+
 def _l2norm_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """Gradient of ``x / sqrt(Σ x² + eps)`` over the last dim: ``r dy − r y (dy · y)``."""
     r = torch.rsqrt((x * x).sum(-1, keepdim=True) + C.L2NORM_EPS)
@@ -427,27 +509,14 @@ def _preprocess_grads(opts: ChunkOptions, q, k, g, beta, A_log, dt_bias, dq, dk,
     return dq, dk, dg, dbeta, dA_log, ddt_bias
 
 
-def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
-    """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
-    (None for an input that needs none), each in its input's shape and dtype, from the gradients
-    ``do`` of ``o`` and ``dht`` of the final state (None: zero). The arguments are the call's raw
-    inputs; ``needs_grad`` holds one flag each. No autograd inside: every step is written out."""
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+def _torch_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
+    """The backward in PyTorch (fp32, the 64-token chunk layout), with the outputs of
+    :func:`_kernel_backward`: every input, gate and length."""
+    B, T, HV, K = qp.shape
+    V = v.shape[-1]
     f32 = torch.float32
-    dev = q.device
+    dev = qp.device
     rows, N, J = _chunk_rows(B, T, opts.cu_seqlens, opts.cu_seqlens_cpu, dev)
-    gate_A, gate_dt = (A_log, dt_bias) if opts.use_gate_in_kernel else (None, None)
-    qp, kp, gp, bp = preprocess(
-        q, k, g, beta, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=opts.use_gate_in_kernel, A_log=gate_A, dt_bias=gate_dt, lower_bound=opts.lower_bound,
-        use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
-        dtype=f32)
-    group = HV // H
-    if gp.dim() == 3:  # GDN: one decay per head for every key channel
-        gp = gp[..., None].expand(B, T, HV, K)
-    if group > 1:
-        qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
 
     def chunks(x: torch.Tensor) -> torch.Tensor:
         """[B, T, HV, D] -> [N, HV, J, C, D], zero past each sequence's end; contiguous, so that the
@@ -468,29 +537,55 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     pivot = _pivot_safe(gc, opts.use_gate_in_kernel and opts.lower_bound is not None)
     dec = _decays(gc, pivot)
     loc = _chunk_local(qc, kc, vc, bc, dec)
-    S0 = q.new_zeros(N, HV, K, V, dtype=f32)
-    if initial_state is not None:
-        S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
     D = _transitions(loc)
     states = _state_scan(loc, D, S0)
-    dS = q.new_zeros(N, HV, K, V, dtype=f32)
-    if dht is not None:
-        dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
     dO = torch.zeros(B * T + 1, HV, V, dtype=f32, device=dev)
     if do is not None:
         dO[:-1] = do.reshape(B * T, HV, V)
     dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4).contiguous()
     dS_next, dS0 = _state_grad_scan(loc, D, dO, dS)
     dqc, dkc, dvc, dgc, dbc = _chunk_local_backward(loc, dec, qc, kc, vc, bc, states, dO, dS_next)
+    return tokens(dqc), tokens(dkc), tokens(dvc), tokens(dgc), tokens(dbc[..., None])[..., 0], dS0
 
-    dq, dk, dgp = tokens(dqc), tokens(dkc), tokens(dgc)
+
+def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
+    """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
+    (None for an input that needs none), each in its input's shape and dtype, from the gradients
+    ``do`` of ``o`` and ``dht`` of the final state (None: zero). The arguments are the call's raw
+    inputs; ``needs_grad`` holds one flag each. No autograd inside: every step is written out."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    f32 = torch.float32
+    gate_A, gate_dt = (A_log, dt_bias) if opts.use_gate_in_kernel else (None, None)
+    qp, kp, gp, bp = preprocess(
+        q, k, g, beta, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=opts.use_gate_in_kernel, A_log=gate_A, dt_bias=gate_dt, lower_bound=opts.lower_bound,
+        use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
+        dtype=f32)
+    group = HV // H
+    if gp.dim() == 3:  # GDN: one decay per head for every key channel
+        gp = gp[..., None].expand(B, T, HV, K)
+    if group > 1:
+        qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
+    N = B if opts.cu_seqlens is None else opts.cu_seqlens.shape[0] - 1
+    S0 = q.new_zeros(N, HV, K, V, dtype=f32)
+    if initial_state is not None:
+        S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
+    dS = q.new_zeros(N, HV, K, V, dtype=f32)
+    if dht is not None:
+        dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
+    why = _kernel_shortfall(opts, qp, gp, V)
+    if why is None:
+        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do)
+    else:
+        _ext.log.debug("flashkda: chunked backward on PyTorch (%s)", why)
+        dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do)
     if group > 1:  # GVA: the heads that share q and k add up
         dq, dk = (x.view(B, T, H, group, K).sum(3) for x in (dq, dk))
     if g.dim() == 3:
         dgp = dgp.sum(-1)
-    dq, dk, dg, dbeta, dA_log, ddt_bias = _preprocess_grads(opts, q, k, g, beta, gate_A, gate_dt, dq, dk, dgp,
-                                                            tokens(dbc[..., None])[..., 0])
+    dq, dk, dg, dbeta, dA_log, ddt_bias = _preprocess_grads(opts, q, k, g, beta, gate_A, gate_dt, dq, dk, dgp, dbp)
     dh0 = None if initial_state is None else (dS0.transpose(-1, -2) if opts.state_v_first else dS0)
-    found = (dq, dk, tokens(dvc), dg, dbeta, dA_log, ddt_bias, dh0)
+    found = (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)
     return tuple(None if t is None or not n or gr is None else gr.to(t.dtype)
                  for t, n, gr in zip((q, k, v, g, beta, A_log, dt_bias, initial_state), needs_grad, found))

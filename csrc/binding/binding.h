@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "flashkda/api.h"
 
@@ -104,6 +105,14 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
                     const std::optional<at::Tensor>& chunk_state_slots,
                     const std::optional<at::Tensor>& ssm_state_indices,
                     const std::optional<at::Tensor>& has_initial_state, bool checked);
+
+
+// The chunked backward's kernel pass (backward.cpp).
+std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
+                                         const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
+                                         const std::optional<at::Tensor>& states,
+                                         const std::optional<at::Tensor>& dstates);
 
 }  // namespace flashkda::binding
 

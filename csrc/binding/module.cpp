@@ -1,7 +1,8 @@
 // The torch binding, split by job: params.cpp turns tensors into the framework-free params structs
 // of csrc/flashkda (with the safety-net checks), device.cpp keeps the per-device facts and the
-// kernel family, ops.cpp holds the general entry points, fast_entry.cpp the eager fast paths, and
-// this file registers the ops and the module. Only these files include torch.
+// kernel family, ops.cpp holds the general entry points, fast_entry.cpp the eager fast paths,
+// backward.cpp the chunked backward's kernel pass (called by flashkda/autograd.py), and this file
+// registers the ops and the module. Only these files include torch.
 //
 // Each forward has two ways in: an eager fast path (`fused_recurrent`, `chunk`: plain module
 // functions that take the public arguments as given and launch, or say why not) and the general
@@ -25,11 +26,15 @@ TORCH_LIBRARY(flashkda, m) {
       "int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, "
       "bool state_v_first, int value_split, int segment_chunks, Tensor(c!)? chunk_states=None, "
       "Tensor? chunk_state_slots=None, Tensor? ssm_state_indices=None, Tensor? has_initial_state=None) -> ()");
+  m.def(
+      "chunk_local_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor dO, Tensor chunk_bos, "
+      "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
   m.impl("recurrent_fwd", &flashkda::binding::recurrent_fwd);
   m.impl("chunk_fwd", &flashkda::binding::chunk_fwd);
+  m.impl("chunk_local_grad", &flashkda::binding::chunk_local_grad);
 }
 
 // `import flashkda._C` runs the registrations above. The module also exposes the entry points as
@@ -45,6 +50,10 @@ PYBIND11_MODULE(_C, m) {
         "why CUDA device `device` cannot run this build's kernels, or None (asked once per device)");
   m.def("chunk_smem_bytes", &flashkda::chunk_smem_bytes,
         "dynamic shared memory per block (bytes) that the chunked kernels need (no CUDA call)");
+  m.def("chunk_local_grad_smem_bytes", &flashkda::chunk_local_grad_smem_bytes,
+        "dynamic shared memory per block (bytes) of the chunked backward's kernel (no CUDA call)");
+  m.def("chunk_bwd_max_subchunk_span", [] { return double(flashkda::kBwdMaxSubchunkSpan); },
+        "largest |sum of log decays| over 16 tokens that the chunked backward's kernel takes");
   m.def("chunk_smem_reason", &flashkda::binding::chunk_smem_reason,
         "why a device with this opt-in shared memory per block (bytes) cannot run the chunked kernels, or None");
   PyObject* fused_recurrent =

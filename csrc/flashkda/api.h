@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include "flashkda/backward/chunk_bwd_params.h"
 #include "flashkda/common/recurrent_params.h"
 #include "flashkda/prefill/chunk_params.h"
 
@@ -58,6 +59,13 @@ cudaError_t run_chunk_segment_scan(const ChunkParams& params, cudaStream_t strea
 // recurrence adds about 1 KB of static shared memory and alignment: 162 KB + 1 KB is the A100's
 // limit, and no GPU has one in between.
 int chunk_smem_bytes();
+
+// Chunked backward: the per-chunk pass ChunkBwdParams::pass (chunk_local_grad.cuh), one block per
+// (chunk, value head), K == V == chunk::kHeadDim. Its dynamic shared memory per block (bytes):
+// devices with a smaller opt-in limit (sm_80: 163 KB) cannot run it.
+template <chunk_bwd::Pass kPass>
+cudaError_t run_chunk_local_grad(const ChunkBwdParams& params, cudaStream_t stream);
+int chunk_local_grad_smem_bytes();
 
 // cudaSuccess when the current device can run this build's kernels, else the error of loading one
 // (cudaErrorNoKernelImageForDevice: neither machine code for the device nor PTX it can compile).

@@ -1,0 +1,65 @@
+// Parameters of the chunked backward's per-chunk kernel (chunk_local_grad.cuh). Framework-free;
+// filled in csrc/binding/backward.cpp.
+//
+// The backward splits the recurrence at chunks of chunk::kChunk tokens: the state is the only
+// coupling between chunks. Per chunk (docs/SPEC.md, "Gradients"), with q̂, k̂ the preprocessed
+// q (l2 norm, scale) and k, Γ the log decay summed from the chunk start and
+// M = tril(q̂ k̂ᵀ ⊙ e^{Γi−Γj}), A = strict_tril(k̂ k̂ᵀ ⊙ e^{Γi−Γj}), T = (I + diag(β) A)⁻¹ diag(β),
+// w = T (k̂ e^Γ), u = T v, kd = k̂ e^{Γ_C−Γ}:
+//   state map   S' = D S + B,      D = diag(e^{Γ_C}) − kdᵀ w,  B = kdᵀ u
+//   output      O = P S + M u,     P = q̂ e^Γ − M w
+// Pass kTransitions writes D, B and Y = Pᵀ dO for the two scans over chunks (the states at chunk
+// starts, and the gradients of the states after chunks); pass kGradients takes both and writes
+// the gradients of the chunk's preprocessed inputs.
+#pragma once
+
+#include <cstdint>
+
+namespace flashkda {
+namespace chunk_bwd {
+
+enum class Pass : int32_t {
+  kTransitions = 0,  // D [K][K], B [K][V], Y [K][V] per (chunk, head)
+  kGradients = 1,    // dq̂, dk̂, dv, dg, dβ of every token
+};
+
+}  // namespace chunk_bwd
+
+struct ChunkBwdParams {
+  // Preprocessed token tensors, fp32, contiguous, rows = B * T tokens, HV heads (q̂ and k̂ already
+  // repeated over the heads of a group). D = chunk::kHeadDim.
+  const float* q;      // [rows, HV, D] q̂ = scale · l2norm(q)
+  const float* k;      // [rows, HV, D] k̂
+  const float* v;      // [rows, HV, D]
+  const float* g;      // [rows, HV, D] log decay of every token and key channel (≤ 0)
+  const float* beta;   // [rows, HV]
+  const float* dO;     // [rows, HV, D] gradient of the output
+  // Chunks: chunk c holds tokens chunk_bos[c] .. chunk_bos[c] + chunk_len[c] - 1 (len 0: an empty
+  // chunk of a shorter sequence, whose map is the identity).
+  const int64_t* chunk_bos;  // [chunks]
+  const int32_t* chunk_len;  // [chunks]
+  int64_t chunks;
+  int32_t HV;
+  chunk_bwd::Pass pass;
+  // kTransitions: outputs, [chunks, HV, D, D] fp32 each (row = key channel of the new state).
+  float* trans_D;
+  float* trans_B;
+  float* trans_Y;
+  // kGradients: inputs, [chunks, HV, D, D] fp32 (key rows, value columns): the state at the chunk's
+  // start and the gradient of the state after it.
+  const float* states;
+  const float* dstates;
+  // kGradients: outputs, fp32, token rows as the inputs (rows of other tokens untouched).
+  float* dq;     // [rows, HV, D]
+  float* dk;     // [rows, HV, D]
+  float* dv;     // [rows, HV, D]
+  float* dg;     // [rows, HV, D]
+  float* dbeta;  // [rows, HV]
+};
+
+// Largest |Σ g| over the tokens of one sub-chunk that the kernel takes: its pivoted operands stay
+// within e^{±kMaxSubchunkSpan / 2} and their products finite in fp32. Wider spans take the PyTorch
+// backward (flashkda/autograd.py checks).
+constexpr float kBwdMaxSubchunkSpan = 80.0f;
+
+}  // namespace flashkda

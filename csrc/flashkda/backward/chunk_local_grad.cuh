@@ -1,0 +1,625 @@
+// chunk_local_grad: the per-chunk work of the chunked backward, one block of eight warps per
+// (chunk, value head), every chunk in parallel (the passes and their math: chunk_bwd_params.h).
+//
+// Each block recomputes the chunk's local forward from the preprocessed inputs: the cumulative log
+// decay Γ, the decayed Gram matrices M and A, the unit lower triangular solve L = (I + diag(β) A)⁻¹
+// (fp32, row by row), T = L diag(β), w and u. Products run on the tensor cores (mma.sync m16n8k16,
+// bf16 operands in shared memory, fp32 accumulators), which every sm_80+ GPU has.
+//
+// Decay without overflow, as the forward (chunk_prepare.cuh): tokens in sub-chunks of 16, γ the
+// log decay from a token's sub-chunk start, h_a half of sub-chunk a's total. The Gram operands are
+// x e^{γ−h} (rows) and y e^{h−γ} (columns); a block below the diagonal (rows in a, columns in b)
+// takes the per-channel factor f_ab = e^{h_a − h_b + Γ_a − Γ_b} ≤ 1 (Γ_a: the decay before a), so
+// every product is exactly e^{Γi−Γj} and every factor stays within e^{±kBwdMaxSubchunkSpan / 2}.
+// The gradients of the Gram matrices follow the same blocks: for Z = x yᵀ ⊙ e^{Γi−Γj},
+// dx = e^{γ−h_a} Σ_b f_ab (dZ_ab Y_b), dy = e^{h_b−γ} Σ_a f_ab (dZ_abᵀ X_a), and the decay's share
+// dΓ_i = x_i dx_i − y_i dy_i; the log decays' gradient is the suffix sum of dΓ over the chunk.
+//
+// The block's gradients of q̂, k̂ and Γ stay in registers, in the accumulator layout of a 64 x 128
+// product (every such product of the block gives each thread the same elements).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "flashkda/backward/chunk_bwd_params.h"
+#include "flashkda/common/mma_sm80.cuh"
+#include "flashkda/prefill/chunk_params.h"
+
+namespace flashkda {
+namespace chunk_bwd {
+
+using chunk::kChunk;
+using chunk::kHeadDim;
+using chunk::kSubChunk;
+using chunk::kSubChunks;
+using Bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;  // sub-chunk blocks below the diagonal
+__host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
+
+// A bf16 matrix in shared memory, row-major, each row padded by 16 bytes: the eight row addresses
+// of an ldmatrix (eight consecutive rows, one 16-byte column) then fall in eight bank groups.
+template <int kRows, int kCols>
+struct Tile {
+  static constexpr int kStride = kCols + 8;
+  static constexpr int kBytes = kRows * kStride * 2;
+  Bf16* p;
+  __device__ __forceinline__ uint32_t addr(int r, int c) const { return sm80::smem_u32(p + r * kStride + c); }
+  __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
+    *reinterpret_cast<__nv_bfloat162*>(p + r * kStride + c) = __floats2bfloat162_rn(x, y);
+  }
+  __device__ __forceinline__ float get(int r, int c) const { return __bfloat162float(p[r * kStride + c]); }
+};
+using ChunkTile = Tile<kChunk, kHeadDim>;   // [token][channel]
+using StateTile = Tile<kHeadDim, kHeadDim>;  // [key][value]
+using SquareTile = Tile<kChunk, kChunk>;     // [token][token]
+
+// c[mi][ni] += op(A)[m0 + 16 mi + ·][k] · op(B)[k][n0 + 8 ni + ·] for k in [k0, k1) (multiples of 16).
+// op(A) is A as stored ([m][k]) or, with kTransA, the transpose of the stored [k][m]; op(B) is the
+// transpose of the stored [n][k] or, with kTransB, B as stored ([k][n]). `negate` flips op(A)'s
+// sign; `a_scale` (nullptr: none) multiplies column k of op(A) by a_scale[k].
+template <bool kTransA, bool kTransB, int MI, int NI, class TA, class TB>
+__device__ __forceinline__ void warp_mma(float (&c)[MI][NI][4], const TA& A, const TB& B, int m0, int n0, int k0,
+                                         int k1, bool negate = false, const float* a_scale = nullptr) {
+  static_assert(NI % 2 == 0, "B fragments load two n8 tiles at once");
+  const int lane = threadIdx.x & 31;
+  const int mat = lane >> 3, r = lane & 7;
+  for (int k = k0; k < k1; k += 16) {
+    uint32_t a[MI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+      const int m = m0 + 16 * mi;
+      if constexpr (!kTransA)
+        sm80::ldmatrix_x4(a[mi], A.addr(m + (lane & 15), k + (lane >> 4) * 8));
+      else
+        sm80::ldmatrix_x4_trans(a[mi], A.addr(k + r + (mat >> 1) * 8, m + (mat & 1) * 8));
+      if (a_scale != nullptr) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int kk = k + 2 * (lane & 3) + 8 * (j >> 1);
+          float lo, hi;
+          sm80::unpack2_bf16(a[mi][j], lo, hi);
+          a[mi][j] = sm80::pack2<Bf16>(lo * a_scale[kk], hi * a_scale[kk + 1]);
+        }
+      }
+      if (negate) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[mi][j] = sm80::neg2(a[mi][j]);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < NI / 2; ++np) {
+      uint32_t b[4];
+      const int n = n0 + 16 * np;
+      if constexpr (!kTransB)
+        sm80::ldmatrix_x4(b, B.addr(n + r + (mat >> 1) * 8, k + (mat & 1) * 8));
+      else
+        sm80::ldmatrix_x4_trans(b, B.addr(k + r + (mat & 1) * 8, n + (mat >> 1) * 8));
+#pragma unroll
+      for (int mi = 0; mi < MI; ++mi) {
+        sm80::mma_16816<Bf16>(c[mi][2 * np], a[mi], b[0], b[1]);
+        sm80::mma_16816<Bf16>(c[mi][2 * np + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// An M x N fp32 product of the block: warps 4 (rows) x 2 (columns), each an (M / 4) x (N / 2) tile.
+template <int M, int N>
+struct Acc {
+  static constexpr int kWarpRows = M / 4, kWarpCols = N / 2;
+  static constexpr int MI = kWarpRows / 16, NI = kWarpCols / 8;
+  float c[MI][NI][4];
+  __device__ __forceinline__ static int m0() { return ((threadIdx.x >> 5) & 3) * kWarpRows; }
+  __device__ __forceinline__ static int n0() { return (threadIdx.x >> 7) * kWarpCols; }
+  __device__ __forceinline__ void zero() {
+    for_each([&](int mi, int ni, int e, int, int) { c[mi][ni][e] = 0.f; });
+  }
+  template <bool kTransA, bool kTransB, class TA, class TB>
+  __device__ __forceinline__ void mma(const TA& A, const TB& B, int k0, int k1, bool negate = false) {
+    warp_mma<kTransA, kTransB>(c, A, B, m0(), n0(), k0, k1, negate);
+  }
+  // f(mi, ni, e, row, col) for each element this thread holds.
+  template <class F>
+  __device__ __forceinline__ static void for_each(F&& f) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          f(mi, ni, e, m0() + 16 * mi + sm80::FragAcc::m(lane, e), n0() + 8 * ni + sm80::FragAcc::n(lane, e));
+  }
+  // The product into a bf16 tile, each element through f(row, col, value) (elements e, e + 1 of a
+  // tile are neighbours in a row).
+  template <class T, class F>
+  __device__ __forceinline__ void store(const T& tile, F&& f) const {
+    for_each([&](int mi, int ni, int e, int row, int col) {
+      if (e % 2 == 0) tile.store2(row, col, f(row, col, c[mi][ni][e]), f(row, col + 1, c[mi][ni][e + 1]));
+    });
+  }
+};
+using ChunkAcc = Acc<kChunk, kHeadDim>;
+using SquareAcc = Acc<kChunk, kChunk>;
+using StateAcc = Acc<kHeadDim, kHeadDim>;
+
+// Shared memory (bytes). The eight chunk tiles are reused from phase to phase (see the kernel).
+struct SmemLayout {
+  static constexpr int kGamma = 0;                                     // fp32 [kChunk][kHeadDim] Γ
+  static constexpr int kPivot = kGamma + kChunk * kHeadDim * 4;        // fp32 [kSubChunks][kHeadDim] h_a
+  static constexpr int kFactor = kPivot + kSubChunks * kHeadDim * 4;   // fp32 [kPairs][kHeadDim] f_ab
+  static constexpr int kBeta = kFactor + kPairs * kHeadDim * 4;        // fp32 [kChunk]
+  static constexpr int kDbeta = kBeta + kChunk * 4;                    // fp32 [kChunk]
+  static constexpr int kEnd = kDbeta + kChunk * 4;                     // fp32 [kHeadDim]: dΓ at the chunk's end
+  static constexpr int kA = kEnd + kHeadDim * 4;                       // fp32 [kChunk][kChunk] A
+  static constexpr int kM = kA + kChunk * kChunk * 4;                  // SquareTile M, later dM
+  static constexpr int kT = kM + SquareTile::kBytes;                   // SquareTile T
+  static constexpr int kL = kT + SquareTile::kBytes;                   // SquareTile L
+  static constexpr int kSlots = kL + SquareTile::kBytes;               // kNumSlots chunk tiles
+  static constexpr int kNumSlots = 8;
+  static constexpr int kBytes = kSlots + kNumSlots * ChunkTile::kBytes;
+  __host__ __device__ static constexpr int slot(int i) { return kSlots + i * ChunkTile::kBytes; }
+};
+static_assert(StateTile::kBytes <= 2 * ChunkTile::kBytes, "a state tile takes two slots");
+static_assert(kChunk * kChunk * 4 <= ChunkTile::kBytes, "the fp32 L takes one slot");
+static_assert(kChunk * kHeadDim * 4 <= 2 * ChunkTile::kBytes, "the fp32 dΓ takes two slots");
+// More than an A100 block may have (163 KB): the kernel runs on sm_90 (227 KB), others take the
+// PyTorch backward (flashkda/autograd.py asks chunk_local_grad_smem_bytes()).
+static_assert(SmemLayout::kBytes <= 227 * 1024, "fits an sm_90 block");
+
+struct Block {
+  const ChunkBwdParams& p;
+  uint8_t* smem;
+  int64_t chunk, bos;
+  int len, hv;
+
+  __device__ __forceinline__ float* gamma() const { return reinterpret_cast<float*>(smem + SmemLayout::kGamma); }
+  __device__ __forceinline__ float* pivot() const { return reinterpret_cast<float*>(smem + SmemLayout::kPivot); }
+  __device__ __forceinline__ float* factor(int a, int b) const {
+    return reinterpret_cast<float*>(smem + SmemLayout::kFactor) + pair_index(a, b) * kHeadDim;
+  }
+  __device__ __forceinline__ float* beta() const { return reinterpret_cast<float*>(smem + SmemLayout::kBeta); }
+  __device__ __forceinline__ float* dbeta() const { return reinterpret_cast<float*>(smem + SmemLayout::kDbeta); }
+  __device__ __forceinline__ float* end() const { return reinterpret_cast<float*>(smem + SmemLayout::kEnd); }
+  __device__ __forceinline__ float* A() const { return reinterpret_cast<float*>(smem + SmemLayout::kA); }
+  template <class T = ChunkTile>
+  __device__ __forceinline__ T tile(int offset) const {
+    return T{reinterpret_cast<Bf16*>(smem + offset)};
+  }
+  __device__ __forceinline__ ChunkTile slot(int i) const { return tile(SmemLayout::slot(i)); }
+
+  // Element offset of (token t, channel c) in the token tensors of this head.
+  __device__ __forceinline__ int64_t at(int t, int c) const { return ((bos + t) * p.HV + hv) * kHeadDim + c; }
+  __device__ __forceinline__ float load(const float* x, int t, int c) const { return t < len ? __ldg(x + at(t, c)) : 0.f; }
+  __device__ __forceinline__ float G(int t, int c) const { return gamma()[t * kHeadDim + c]; }
+  __device__ __forceinline__ float G_end(int c) const { return gamma()[(kChunk - 1) * kHeadDim + c]; }
+  // γ − h of token t: the log of its row-side pivot factor.
+  __device__ __forceinline__ float pivot_log(int t, int c) const {
+    const int a = t / kSubChunk;
+    return G(t, c) - (a > 0 ? G(a * kSubChunk - 1, c) : 0.f) - pivot()[a * kHeadDim + c];
+  }
+  __device__ __forceinline__ float pair_factor(int a, int b, int c) const { return a == b ? 1.f : factor(a, b)[c]; }
+
+  // tile[t][c] = f(t, c, x[t][c], y[t][c]) over the chunk, from two fp32 token tensors (y may be x).
+  template <class F>
+  __device__ __forceinline__ void fill(const ChunkTile& tile, const float* x, F&& f) const {
+    for (int i = threadIdx.x; i < kChunk * kHeadDim / 4; i += kThreads) {
+      const int t = i / (kHeadDim / 4), c = (i % (kHeadDim / 4)) * 4;
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (t < len) v = __ldg(reinterpret_cast<const float4*>(x + at(t, c)));
+      tile.store2(t, c, f(t, c, v.x), f(t, c + 1, v.y));
+      tile.store2(t, c + 2, f(t, c + 2, v.z), f(t, c + 3, v.w));
+    }
+  }
+  // A [kHeadDim][kHeadDim] fp32 matrix of this (chunk, head) into a bf16 state tile.
+  __device__ __forceinline__ void fill_state(const StateTile& tile, const float* x) const {
+    const float* src = x + (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim);
+    for (int i = threadIdx.x; i < kHeadDim * kHeadDim / 4; i += kThreads) {
+      const int r = i / (kHeadDim / 4), c = (i % (kHeadDim / 4)) * 4;
+      const float4 v = __ldg(reinterpret_cast<const float4*>(src + r * kHeadDim + c));
+      tile.store2(r, c, v.x, v.y);
+      tile.store2(r, c + 2, v.z, v.w);
+    }
+  }
+};
+
+// Gradients of Z = x yᵀ ⊙ e^{Γi−Γj} (j <= i, blocks as above) for this warp's 16 x 64 part of the
+// chunk (sub-chunk blk = warp % 4, channels 64 (warp / 4) ...): accumulates into xs[t][c] the
+// x-side e^{γ−h} Σ_b f_ab (dZ_ab Y_b) (kSideX) or the y-side e^{h−γ} Σ_a f_ab (dZ_abᵀ X_a), in the
+// ChunkAcc layout.
+template <bool kSideX>
+__device__ __forceinline__ void gram_grad(const Block& blk, float (&out)[1][ChunkAcc::NI][4], const SquareTile& dZ,
+                                          const ChunkTile& X, const ChunkTile& Y) {
+  const int sub = (threadIdx.x >> 5) & 3, n0 = ChunkAcc::n0();
+  const int lane = threadIdx.x & 31;
+#pragma unroll 1
+  for (int o = 0; o < kSubChunks; ++o) {
+    if (kSideX ? o > sub : o < sub) continue;
+    float part[1][ChunkAcc::NI][4] = {};
+    if constexpr (kSideX)  // dZ[sub][o] (16 x 16) · Y[o] (16 x 64)
+      warp_mma<false, true>(part, dZ, Y, kSubChunk * sub, n0, kSubChunk * o, kSubChunk * (o + 1));
+    else  // dZ[o][sub]ᵀ · X[o]
+      warp_mma<true, true>(part, dZ, X, kSubChunk * sub, n0, kSubChunk * o, kSubChunk * (o + 1));
+#pragma unroll
+    for (int ni = 0; ni < ChunkAcc::NI; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n0 + 8 * ni + sm80::FragAcc::n(lane, e);
+        out[0][ni][e] += part[0][ni][e] * (kSideX ? blk.pair_factor(sub, o, col) : blk.pair_factor(o, sub, col));
+      }
+  }
+}
+
+template <Pass kPass>
+__global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const ChunkBwdParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x;
+  Block blk{p, smem, int64_t(blockIdx.x), 0, 0, int(blockIdx.y)};
+  blk.bos = p.chunk_bos[blk.chunk];
+  blk.len = p.chunk_len[blk.chunk];
+  if (kPass == Pass::kGradients && blk.len <= 0) return;  // an empty chunk has no gradients
+  const int len = blk.len;
+  float* gamma = blk.gamma();
+  float* A = blk.A();
+  const SquareTile Mt = blk.tile<SquareTile>(SmemLayout::kM);
+  const SquareTile Tt = blk.tile<SquareTile>(SmemLayout::kT);
+  const SquareTile Lt = blk.tile<SquareTile>(SmemLayout::kL);
+
+  // Γ (one thread per channel), β, and zeros for A, M and the reductions.
+  if (tid < kHeadDim) {
+    float run = 0.f;
+#pragma unroll 16
+    for (int t = 0; t < kChunk; ++t) {
+      run += blk.load(p.g, t, tid);
+      gamma[t * kHeadDim + tid] = run;
+    }
+  } else if (tid < kHeadDim + kChunk) {
+    const int t = tid - kHeadDim;
+    blk.beta()[t] = t < len ? __ldg(p.beta + (blk.bos + t) * p.HV + blk.hv) : 0.f;
+    blk.dbeta()[t] = 0.f;
+  }
+  for (int i = tid; i < kChunk * kChunk; i += kThreads) {
+    A[i] = 0.f;
+    Mt.p[(i / kChunk) * SquareTile::kStride + i % kChunk] = __float2bfloat16(0.f);
+  }
+  if (tid < kHeadDim) blk.end()[tid] = 0.f;
+  __syncthreads();
+  // Pivots h_a and the factors f_ab of the blocks below the diagonal.
+  if (tid < kHeadDim) {
+    float before[kSubChunks], h[kSubChunks];
+#pragma unroll
+    for (int a = 0; a < kSubChunks; ++a) {
+      before[a] = a > 0 ? gamma[(a * kSubChunk - 1) * kHeadDim + tid] : 0.f;
+      h[a] = 0.5f * (gamma[(a * kSubChunk + kSubChunk - 1) * kHeadDim + tid] - before[a]);
+      blk.pivot()[a * kHeadDim + tid] = h[a];
+    }
+#pragma unroll
+    for (int a = 1; a < kSubChunks; ++a)
+#pragma unroll
+      for (int b = 0; b < a; ++b) blk.factor(a, b)[tid] = __expf(before[a] - before[b] + h[a] - h[b]);
+  }
+  __syncthreads();
+
+  // Gram operands: q̂ e^{γ−h}, k̂ e^{γ−h} (rows), k̂ e^{h−γ} (columns).
+  const ChunkTile Xq = blk.slot(0), Xk = blk.slot(1), Yk = blk.slot(2);
+  auto build_gram_operands = [&] {
+    blk.fill(Xq, p.q, [&](int t, int c, float x) { return x * __expf(blk.pivot_log(t, c)); });
+    blk.fill(Xk, p.k, [&](int t, int c, float x) { return x * __expf(blk.pivot_log(t, c)); });
+    blk.fill(Yk, p.k, [&](int t, int c, float x) { return x * __expf(-blk.pivot_log(t, c)); });
+  };
+  build_gram_operands();
+  __syncthreads();
+  // M (j <= i) and A (j < i), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks.
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    constexpr int kBlocks = kSubChunks * (kSubChunks + 1) / 2;
+    for (int task = warp; task < 2 * kBlocks; task += kWarps) {
+      const bool is_A = task >= kBlocks;
+      int rest = task % kBlocks, a = 0;
+      while (rest > a) rest -= ++a;
+      const int b = rest;
+      float acc[1][2][4] = {};
+      warp_mma<false, false>(acc, is_A ? Xk : Xq, Yk, kSubChunk * a, kSubChunk * b, 0, kHeadDim, false,
+                             a == b ? nullptr : blk.factor(a, b));
+#pragma unroll
+      for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = kSubChunk * a + sm80::FragAcc::m(lane, e), j = kSubChunk * b + 8 * ni + sm80::FragAcc::n(lane, e);
+          const bool keep = is_A ? j < i : j <= i;
+          const float x = keep ? acc[0][ni][e] : 0.f;
+          if (is_A)
+            A[i * kChunk + j] = x;
+          else
+            Mt.p[i * SquareTile::kStride + j] = __float2bfloat16(x);
+        }
+    }
+  }
+  __syncthreads();
+  // L = (I + diag(β) A)⁻¹, row by row: L_i = e_i − β_i Σ_{j<i} A_ij L_j (four threads per column).
+  {
+    float* L = reinterpret_cast<float*>(smem + SmemLayout::slot(3));
+    const int col = tid >> 2, part = tid & 3;
+    for (int i = 0; i < kChunk; ++i) {
+      float s = 0.f;
+      for (int j = col + part; j < i; j += 4) s += A[i * kChunk + j] * L[j * kChunk + col];
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      s += __shfl_xor_sync(0xffffffffu, s, 2);
+      if (part == 0) L[i * kChunk + col] = i == col ? 1.f : (i > col ? -blk.beta()[i] * s : 0.f);
+      __syncthreads();
+    }
+    for (int i = tid; i < kChunk * kChunk / 2; i += kThreads) {
+      const int r = i / (kChunk / 2), c = (i % (kChunk / 2)) * 2;
+      const float l0 = L[r * kChunk + c], l1 = L[r * kChunk + c + 1];
+      Lt.store2(r, c, l0, l1);
+      Tt.store2(r, c, l0 * blk.beta()[c], l1 * blk.beta()[c + 1]);
+    }
+  }
+  // k̂ e^Γ and v (the Gram operands are dead: the L sweep above ended with a barrier).
+  const ChunkTile kg = blk.slot(0), vt = blk.slot(1), wt = blk.slot(2);
+  blk.fill(kg, p.k, [&](int t, int c, float x) { return x * __expf(blk.G(t, c)); });
+  blk.fill(vt, p.v, [](int, int, float x) { return x; });
+  __syncthreads();
+  ChunkAcc u;  // T v, then U = T v − w S
+  u.zero();
+  u.mma<false, true>(Tt, vt, 0, kChunk);
+  {
+    ChunkAcc w;
+    w.zero();
+    w.mma<false, true>(Tt, kg, 0, kChunk);
+    w.store(wt, [](int, int, float x) { return x; });
+  }
+
+  if constexpr (kPass == Pass::kTransitions) {
+    const ChunkTile ut = blk.slot(3), Pt = blk.slot(4), dOt = blk.slot(5), kd = blk.slot(6);
+    u.store(ut, [](int, int, float x) { return x; });
+    blk.fill(kd, p.k, [&](int t, int c, float x) { return x * __expf(blk.G_end(c) - blk.G(t, c)); });
+    blk.fill(dOt, p.dO, [](int, int, float x) { return x; });
+    __syncthreads();
+    {
+      ChunkAcc P;  // q̂ e^Γ − M w
+      P.zero();
+      P.mma<false, true>(Mt, wt, 0, kChunk, true);
+      P.store(Pt, [&](int t, int c, float x) { return x + blk.load(p.q, t, c) * __expf(blk.G(t, c)); });
+    }
+    const int64_t base = (blk.chunk * p.HV + blk.hv) * int64_t(kHeadDim * kHeadDim);
+    auto write = [&](float* out, StateAcc& acc, bool diagonal_decay) {
+      StateAcc::for_each([&](int mi, int ni, int e, int r, int c) {
+        float x = acc.c[mi][ni][e];
+        if (diagonal_decay && r == c) x += __expf(blk.G_end(c));
+        out[base + r * kHeadDim + c] = x;
+      });
+    };
+    {
+      StateAcc D;  // diag(e^{Γ_C}) − kdᵀ w
+      D.zero();
+      D.mma<true, true>(kd, wt, 0, kChunk, true);
+      write(p.trans_D, D, true);
+    }
+    {
+      StateAcc B;  // kdᵀ u
+      B.zero();
+      B.mma<true, true>(kd, ut, 0, kChunk);
+      write(p.trans_B, B, false);
+    }
+    __syncthreads();
+    {
+      StateAcc Y;  // Pᵀ dO
+      Y.zero();
+      Y.mma<true, true>(Pt, dOt, 0, kChunk);
+      write(p.trans_Y, Y, false);
+    }
+    return;
+  } else {
+    const StateTile St = blk.tile<StateTile>(SmemLayout::slot(4));
+    const ChunkTile Ut = blk.slot(3), dOt = blk.slot(6), dUt = blk.slot(7), kd = blk.slot(2);
+    ChunkAcc dq, dk, dG;  // gradients of q̂, k̂ and Γ, accumulated in this layout
+    dq.zero();
+    dk.zero();
+    dG.zero();
+    // From the gradient d of x e^Γ (x = q̂ or k̂): dx += e^Γ d, and dΓ += x e^Γ d.
+    auto add_through_decay = [&](const ChunkAcc& d, ChunkAcc& dx, const float* x_src) {
+      ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
+        const float x = d.c[mi][ni][e] * __expf(blk.G(t, c));
+        dx.c[mi][ni][e] += x;
+        dG.c[mi][ni][e] += blk.load(x_src, t, c) * x;
+      });
+    };
+    blk.fill_state(St, p.states);
+    blk.fill(dOt, p.dO, [](int, int, float x) { return x; });
+    __syncthreads();
+    u.mma<false, true>(wt, St, 0, kHeadDim, true);  // U = T v − w S
+    u.store(Ut, [](int, int, float x) { return x; });
+    {
+      ChunkAcc dqg;  // of q̂ e^Γ: dO Sᵀ
+      dqg.zero();
+      dqg.mma<false, false>(dOt, St, 0, kHeadDim);
+      add_through_decay(dqg, dq, p.q);
+    }
+    __syncthreads();
+    // dS' (the next state's gradient) over S; e^{Γ_C} Σ_v S dS' to the chunk's end; kd over w.
+    {
+      const int64_t base = (blk.chunk * p.HV + blk.hv) * int64_t(kHeadDim * kHeadDim);
+      const int warp = tid >> 5, lane = tid & 31;
+      for (int r = warp; r < kHeadDim; r += kWarps) {  // a warp per key row, four values per lane
+        const float4 s = __ldg(reinterpret_cast<const float4*>(p.states + base + r * kHeadDim) + lane);
+        const float4 d = __ldg(reinterpret_cast<const float4*>(p.dstates + base + r * kHeadDim) + lane);
+        St.store2(r, 4 * lane, d.x, d.y);
+        St.store2(r, 4 * lane + 2, d.z, d.w);
+        float x = s.x * d.x + s.y * d.y + s.z * d.z + s.w * d.w;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+        if (lane == 0) blk.end()[r] += x * __expf(blk.G_end(r));
+      }
+    }
+    blk.fill(kd, p.k, [&](int t, int c, float x) { return x * __expf(blk.G_end(c) - blk.G(t, c)); });
+    __syncthreads();
+    SquareAcc dM;  // dO Uᵀ, masked when stored
+    {
+      ChunkAcc dU;  // Mᵀ dO + kd dS'
+      dU.zero();
+      dU.mma<true, true>(Mt, dOt, 0, kChunk);
+      dU.mma<false, true>(kd, St, 0, kHeadDim);
+      dU.store(dUt, [](int, int, float x) { return x; });
+      ChunkAcc dkd;  // of kd: U dS'ᵀ
+      dkd.zero();
+      dkd.mma<false, false>(Ut, St, 0, kHeadDim);
+      float end_part[ChunkAcc::NI][2] = {};
+      ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
+        const float kdv = blk.load(p.k, t, c) * __expf(blk.G_end(c) - blk.G(t, c));
+        const float x = dkd.c[mi][ni][e];
+        dk.c[mi][ni][e] += x * __expf(blk.G_end(c) - blk.G(t, c));
+        dG.c[mi][ni][e] -= kdv * x;
+        end_part[ni][e & 1] += kdv * x;
+      });
+      const int lane = tid & 31;
+#pragma unroll
+      for (int ni = 0; ni < ChunkAcc::NI; ++ni)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float x = end_part[ni][h];  // sum over the warp's rows (lanes with the same lane % 4)
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+          if (lane < 4) atomicAdd(blk.end() + ChunkAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
+        }
+      dM.zero();
+      dM.mma<false, false>(dOt, Ut, 0, kHeadDim);
+    }
+    __syncthreads();
+    dM.store(Mt, [](int i, int j, float x) { return j <= i ? x : 0.f; });  // dM over M
+    blk.fill_state(St, p.states);
+    __syncthreads();
+    const ChunkTile dwt = blk.slot(3);  // over U
+    {
+      ChunkAcc dw;  // −dU Sᵀ
+      dw.zero();
+      dw.mma<false, false>(dUt, St, 0, kHeadDim, true);
+      dw.store(dwt, [](int, int, float x) { return x; });
+      ChunkAcc dv;  // Tᵀ dU
+      dv.zero();
+      dv.mma<true, true>(Tt, dUt, 0, kChunk);
+      ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
+        if (t < len) p.dv[blk.at(t, c)] = dv.c[mi][ni][e];
+      });
+    }
+    __syncthreads();
+    const SquareTile X1 = blk.tile<SquareTile>(SmemLayout::slot(4));  // over S
+    const SquareTile Y1 = blk.tile<SquareTile>(SmemLayout::slot(5));
+    const SquareTile dZA = blk.tile<SquareTile>(SmemLayout::slot(6));  // over dO
+    {
+      SquareAcc dT;  // dU vᵀ + dw kgᵀ; T = L diag(β): dβ_j += Σ_i dT_ij L_ij, and dL = dT diag(β)
+      dT.zero();
+      dT.mma<false, false>(dUt, vt, 0, kHeadDim);
+      dT.mma<false, false>(dwt, kg, 0, kHeadDim);
+      float col_part[SquareAcc::NI][2] = {};
+      SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
+        col_part[ni][e & 1] += dT.c[mi][ni][e] * Lt.get(i, j);
+      });
+      const int lane = tid & 31;
+#pragma unroll
+      for (int ni = 0; ni < SquareAcc::NI; ++ni)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float x = col_part[ni][h];
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+          if (lane < 4) atomicAdd(blk.dbeta() + SquareAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
+        }
+      dT.store(X1, [&](int, int j, float x) { return x * blk.beta()[j]; });
+      ChunkAcc dkg;  // Tᵀ dw
+      dkg.zero();
+      dkg.mma<true, true>(Tt, dwt, 0, kChunk);
+      add_through_decay(dkg, dk, p.k);
+    }
+    __syncthreads();
+    {
+      SquareAcc y;  // Lᵀ X1
+      y.zero();
+      y.mma<true, true>(Lt, X1, 0, kChunk);
+      y.store(Y1, [](int, int, float x) { return x; });
+    }
+    __syncthreads();
+    {
+      // G = −strict_tril(Y1 Lᵀ), the gradient of diag(β) A: dβ_i += Σ_j G_ij A_ij, dA = diag(β) G.
+      SquareAcc Gd;
+      Gd.zero();
+      Gd.mma<false, false>(Y1, Lt, 0, kChunk, true);
+      float row_part[SquareAcc::MI][2] = {};
+      SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
+        if (j >= i) Gd.c[mi][ni][e] = 0.f;
+        row_part[mi][e >> 1] += Gd.c[mi][ni][e] * A[i * kChunk + j];
+      });
+      const int lane = tid & 31;
+#pragma unroll
+      for (int mi = 0; mi < SquareAcc::MI; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float x = row_part[mi][h];  // sum over the lanes of one row (lane / 4 fixed)
+          x += __shfl_xor_sync(0xffffffffu, x, 1);
+          x += __shfl_xor_sync(0xffffffffu, x, 2);
+          if ((lane & 3) == 0) atomicAdd(blk.dbeta() + SquareAcc::m0() + 16 * mi + sm80::FragAcc::m(lane, 2 * h), x);
+        }
+      Gd.store(dZA, [&](int i, int, float x) { return x * blk.beta()[i]; });
+    }
+    build_gram_operands();  // over k̂ e^Γ, v and kd
+    __syncthreads();
+    // The Gram matrices' gradients: M (x = q̂, y = k̂, dM) and A (x = y = k̂, dZA), each side apart:
+    // the x-side scales by e^{γ−h} and adds x dx to dΓ, the y-side by e^{h−γ} and takes y dy off it.
+    auto gram_side = [&](auto side_x, const SquareTile& dZ, const ChunkTile& X, const float* x_src, ChunkAcc& dx) {
+      float part[1][ChunkAcc::NI][4] = {};
+      gram_grad<decltype(side_x)::value>(blk, part, dZ, X, Yk);
+      ChunkAcc::for_each([&](int, int ni, int e, int t, int c) {
+        const float pl = blk.pivot_log(t, c);
+        const float x = part[0][ni][e] * __expf(decltype(side_x)::value ? pl : -pl);
+        dx.c[0][ni][e] += x;
+        dG.c[0][ni][e] += (decltype(side_x)::value ? x : -x) * blk.load(x_src, t, c);
+      });
+    };
+    gram_side(std::true_type{}, Mt, Xq, p.q, dq);
+    gram_side(std::false_type{}, Mt, Xq, p.k, dk);
+    gram_side(std::true_type{}, dZA, Xk, p.k, dk);
+    gram_side(std::false_type{}, dZA, Xk, p.k, dk);
+    ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
+      if (t < len) {
+        p.dq[blk.at(t, c)] = dq.c[mi][ni][e];
+        p.dk[blk.at(t, c)] = dk.c[mi][ni][e];
+      }
+    });
+    // dg: suffix sums of dΓ over the chunk, the chunk-end terms (kd, e^{Γ_C}) at its last token.
+    float* dgamma = reinterpret_cast<float*>(smem + SmemLayout::slot(3));  // over dw and X1
+    ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) { dgamma[t * kHeadDim + c] = dG.c[mi][ni][e]; });
+    __syncthreads();
+    if (tid < kHeadDim) {
+      float run = blk.end()[tid];
+      for (int t = kChunk - 1; t >= 0; --t) {
+        run += dgamma[t * kHeadDim + tid];
+        if (t < len) p.dg[blk.at(t, tid)] = run;
+      }
+    } else if (tid < kHeadDim + kChunk) {
+      const int t = tid - kHeadDim;
+      if (t < len) p.dbeta[(blk.bos + t) * p.HV + blk.hv] = blk.dbeta()[t];
+    }
+  }
+}
+
+}  // namespace chunk_bwd
+
+template <chunk_bwd::Pass kPass>
+cudaError_t run_chunk_local_grad(const ChunkBwdParams& p, cudaStream_t stream) {
+  using namespace chunk_bwd;
+  if (p.chunks == 0 || p.HV == 0) return cudaSuccess;
+  const auto kernel = chunk_local_grad_kernel<kPass>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SmemLayout::kBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<dim3(unsigned(p.chunks), unsigned(p.HV)), kThreads, SmemLayout::kBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace flashkda

@@ -1,0 +1,136 @@
+"""The chunked backward's kernel pass (``chunk_local_grad``): each of its two passes against a PyTorch
+reference of the same per-chunk math (fp64, on the GPU), and the backward built on it
+(``flashkda.autograd._kernel_backward``: chunk layout, scans, GVA) against the PyTorch backward, on
+the CPU with the reference standing in for the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashkda import _ext
+from flashkda import autograd as ag
+from helpers import GRAD_INPUTS, HAS_CUDA_KERNELS, make_inputs, rel_err
+
+CHUNK = ag._CHUNK
+
+
+def _chunk_index(bos: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Tensor:
+    """[chunks, CHUNK] token row of every chunk position, ``rows`` (a zero row) past its length."""
+    pos = torch.arange(CHUNK, device=bos.device)
+    return torch.where(pos[None] < length[:, None].long(), bos[:, None] + pos[None], rows)
+
+
+def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None):
+    """What ``torch.ops.flashkda.chunk_local_grad`` computes, from flashkda.autograd's chunk math."""
+    rows, HV, K = q.shape
+    idx = _chunk_index(bos, length, rows)
+
+    def chunks(x):  # [rows, HV, D] -> [chunks, HV, CHUNK, D]
+        flat = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+        return flat[idx].permute(0, 2, 1, 3)
+
+    def tokens(x):  # the inverse, tokens in no chunk zero
+        out = x.new_zeros(rows + 1, HV, x.shape[-1])
+        out.index_add_(0, idx.reshape(-1), x.permute(0, 2, 1, 3).reshape(-1, HV, x.shape[-1]))
+        return out[:-1]
+
+    qc, kc, vc, gc, dOc = (chunks(x) for x in (q, k, v, g, dO))
+    bc = chunks(beta[..., None])[..., 0]
+    dec = ag._decays(gc, pivot=False)
+    loc = ag._chunk_local(qc, kc, vc, bc, dec)
+    if pass_ == 0:
+        D = torch.diag_embed(loc.decay) - loc.kd.transpose(-1, -2) @ loc.w
+        return [D, loc.kd.transpose(-1, -2) @ loc.u, (loc.qg - loc.M @ loc.w).transpose(-1, -2) @ dOc]
+    grads = ag._chunk_local_backward(loc, dec, qc, kc, vc, bc, states, dOc, dstates)
+    return [tokens(x) for x in grads[:4]] + [tokens(grads[4][..., None])[..., 0]]
+
+
+def _problem(lens, HV, K, device, dtype, seed, decay=5.0):
+    """Preprocessed inputs as the backward hands them to the kernel: unit-norm q̂ (scaled) and k̂,
+    log decays in [-decay, 0], β in (0, 1); the kernel's chunks of the sequences ``lens``."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = sum(lens)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q = torch.nn.functional.normalize(rnd(rows, HV, K), dim=-1) * K ** -0.5
+    k = torch.nn.functional.normalize(rnd(rows, HV, K), dim=-1)
+    g = -decay * torch.rand(rows, HV, K, generator=gen, dtype=torch.float64)
+    beta = torch.rand(rows, HV, generator=gen, dtype=torch.float64)
+    v, dO = rnd(rows, HV, K), rnd(rows, HV, K)
+    bos, length, N, J = ag._kernel_chunks(1, rows, torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]),
+                                          None, device)
+    tensors = [x.to(device, dtype) for x in (q, k, v, g, beta, dO)]
+    return tensors, bos, length, J * N
+
+
+KERNEL_GLUE_CASES = {
+    "varlen_gva_vfirst": dict(lens=[1, 17, 0, 97, 130], HV=4, gate="lower_bound", state_v_first=True),
+    "fixed_b2": dict(B=2, T=150, gate="softplus"),
+    "gdn_varlen": dict(lens=[64, 65, 3], gate="precomputed", gdn=True),
+    "empty_only": dict(lens=[0, 0], gate="lower_bound"),
+}
+
+
+@pytest.mark.parametrize("case", list(KERNEL_GLUE_CASES))
+def test_kernel_backward_equals_torch_backward(monkeypatch, case):
+    """The backward on the kernel pass (here its reference) gives the PyTorch backward's gradients
+    (chunk layout, scans, GVA, GDN, state layouts, sequences without tokens)."""
+    from test_autograd import _through_chunk_function, _upstream
+
+    monkeypatch.setattr(_ext, "chunk_local_grad_op", local_grad_reference, raising=False)
+    kw = make_inputs(H=2, D=16, dtype=torch.float64, **KERNEL_GLUE_CASES[case], seed=3)
+    do, dht = (x.double() for x in _upstream(kw))
+    calls = []
+    monkeypatch.setattr(ag, "_kernel_shortfall", lambda *a: "the PyTorch backward")
+    want = _through_chunk_function(kw, do, dht)
+    monkeypatch.setattr(ag, "_kernel_shortfall", lambda *a: calls.append(1))
+    got = _through_chunk_function(kw, do, dht)
+    assert calls, "the kernel path was not taken"
+    for name, a, b in zip(GRAD_INPUTS, got, want):
+        if b is not None:
+            assert rel_err(a, b) <= 1e-5, f"d{name}: {rel_err(a, b):.2e}"  # both fp32 inside
+
+
+def test_kernel_chunks_layout():
+    """Chunk j * N + n is the j-th of sequence n; chunks past a sequence's end are empty."""
+    bos, length, N, J = ag._kernel_chunks(1, 300, torch.tensor([0, 70, 70, 300]), None, "cpu")
+    assert (N, J) == (3, 4)
+    assert bos.view(J, N)[:, 2].tolist() == [70, 134, 198, 262]
+    assert length.view(J, N).tolist() == [[64, 0, 64], [6, 0, 64], [0, 0, 64], [0, 0, 38]]
+
+
+cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
+
+#: bf16 operands on the tensor cores, fp32 accumulation: relative L2 error of each output.
+KERNEL_TOL = 1e-2
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("decay", [5.0, 0.05], ids=["strong", "weak"])
+def test_kernel_passes_match_reference(decay):
+    """Both passes of the kernel against the fp64 reference of the same math, on varlen chunks
+    (1, 17, 0, 97, 130, 64 tokens; GVA-like heads), log decays down to -5 a token (the widest span
+    the kernel takes, 80 over 16 tokens) and weak ones."""
+    if _ext.chunk_bwd_shortfall(torch.cuda.current_device()) is not None:
+        pytest.skip(_ext.chunk_bwd_shortfall(torch.cuda.current_device()))
+    K = 128
+    (q, k, v, g, beta, dO), bos, length, chunks = _problem([1, 17, 0, 97, 130, 64], 3, K, "cuda", torch.float32,
+                                                             seed=11, decay=decay)
+    ref_in = [x.double().cpu() for x in (q, k, v, g, beta, dO)]
+    bos_c, len_c = bos.cpu(), length.cpu()
+    for poison in range(2):  # fresh outputs every call; run twice so stale memory cannot pass
+        got = _ext.chunk_local_grad_op(q, k, v, g, beta, dO, bos, length, 0)
+        want = local_grad_reference(*ref_in, bos_c, len_c, 0)
+        for name, a, b in zip("DBY", got, want):
+            assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"
+    gen = torch.Generator().manual_seed(5)
+    S = 0.3 * torch.randn(chunks, 3, K, K, generator=gen, dtype=torch.float64)
+    dS = torch.randn(chunks, 3, K, K, generator=gen, dtype=torch.float64)
+    got = _ext.chunk_local_grad_op(q, k, v, g, beta, dO, bos, length, 1, S.float().cuda(), dS.float().cuda())
+    want = local_grad_reference(*ref_in, bos_c, len_c, 1, S, dS)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, want):
+        assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"
