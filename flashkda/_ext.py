@@ -157,6 +157,7 @@ if HAS_EXTENSION:
         return _chunk_smem_shortfall[index]
 
     chunk_local_grad_op = torch.ops.flashkda.chunk_local_grad.default
+    chunk_state_scan_op = torch.ops.flashkda.chunk_state_scan.default
     CHUNK_BWD_MAX_SUBCHUNK_SPAN = _C.chunk_bwd_max_subchunk_span()
     _chunk_bwd_shortfall: dict = {}
 

@@ -411,18 +411,22 @@ def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V:
 
 def _kernel_chunks(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
     """``(bos, len, N, J)`` of the kernel's chunks, chunk ``j * N + n`` the j-th of sequence n (empty
-    past its end), ``J`` chunks of the longest. Reads ``cu_seqlens`` on the host."""
+    past its end), ``J`` chunks of the longest; built on the device. With ``cu_seqlens``, ``J``
+    comes from ``cu_seqlens_cpu``, else from one read of ``cu_seqlens`` (a synchronisation)."""
     if cu_seqlens is None:
-        starts, lens = [n * T for n in range(B)], [T] * B
+        N, J = B, -(-T // _CHUNK)
+        starts = torch.arange(B, dtype=torch.long, device=device) * T
+        lens = torch.full((B,), T, dtype=torch.long, device=device)
     else:
         host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
-        starts, lens = host[:-1], [b - a for a, b in zip(host, host[1:])]
-    N = len(starts)
-    J = max((-(-n // _CHUNK) for n in lens), default=0)
-    offset = torch.arange(J, dtype=torch.long)[:, None] * _CHUNK
-    bos = torch.tensor(starts, dtype=torch.long)[None, :] + offset
-    length = (torch.tensor(lens, dtype=torch.long)[None, :] - offset).clamp(0, _CHUNK)
-    return bos.reshape(-1).to(device), length.reshape(-1).to(device, torch.int32), N, J
+        N = len(host) - 1
+        J = max((-(-(b - a) // _CHUNK) for a, b in zip(host, host[1:])), default=0)
+        cu = cu_seqlens.to(device, torch.long)
+        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    offset = torch.arange(J, dtype=torch.long, device=device)[:, None] * _CHUNK
+    bos = (starts[None, :] + offset).reshape(-1)
+    length = (lens[None, :] - offset).clamp(0, _CHUNK).reshape(-1).to(torch.int32)
+    return bos, length, N, J
 
 
 def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
@@ -430,9 +434,9 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group), the initial state
     ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
 
-    The per-chunk kernel writes every chunk's state map (D, B) and Y = Pᵀ dO; two scans, one
-    batched multiply-add per chunk, give the states at chunk starts and the gradients of the states
-    after chunks; the kernel's second pass then writes every token's gradients."""
+    The per-chunk kernel writes every chunk's state map (D, B) and Y = Pᵀ dO; the two scans over
+    chunks give the states at chunk starts and the gradients of the states after chunks; the
+    per-chunk kernel's second pass then writes every token's gradients."""
     B, T, HV, K = qp.shape
     V = v.shape[-1]
     rows = B * T
@@ -450,15 +454,9 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
         return zeros, zeros, zeros.clone(), zeros.clone(), b32.new_zeros(B, T, HV), dS.clone()
     D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
     D, Bm, Y = (x.view(J, N * HV, K, x.shape[-1]) for x in (D, Bm, Y))
-    states = S0.new_empty(J, N * HV, K, V)
-    states[0] = S0.reshape(N * HV, K, V)
-    for j in range(J - 1):
-        torch.baddbmm(Bm[j], D[j], states[j], out=states[j + 1])
-    nexts = S0.new_empty(J, N * HV, K, V)
-    nexts[J - 1] = dS.reshape(N * HV, K, V)
-    for j in range(J - 1, 0, -1):
-        torch.baddbmm(Y[j], D[j].transpose(-1, -2), nexts[j], out=nexts[j - 1])
-    dS0 = torch.baddbmm(Y[0], D[0].transpose(-1, -2), nexts[0]).view(N, HV, K, V)
+    (states,) = _ext.chunk_state_scan_op(D, Bm, S0.reshape(N * HV, K, V).contiguous(), False)
+    nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.reshape(N * HV, K, V).contiguous(), True)
+    dS0 = dS0.view(N, HV, K, V)
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1,
                                                   states.view(J * N, HV, K, V), nexts.view(J * N, HV, K, V))
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),

@@ -151,9 +151,11 @@ def test_inference_options_raise_under_grad(option):
 
 cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
 
-#: Gradients of bf16 / fp16 leaves are rounded to their dtype (relative error about 1e-3); the
-#: backward itself runs in fp32 on the rounded inputs.
-CUDA_TOL = {torch.bfloat16: 4e-3, torch.float16: 1e-3}
+#: Gradients of bf16 / fp16 leaves are rounded to their dtype (relative error about 1e-3). The
+#: backward's kernels multiply bf16 operands (states included) with fp32 accumulation, as the
+#: forward's do: the bound of the forward's bf16 output (helpers.CHUNK_TOL). The fp16 case
+#: (-1e4 masks) takes the PyTorch backward, fp32 throughout.
+CUDA_TOL = {torch.bfloat16: 6e-3, torch.float16: 1e-3}
 
 GPU_CASES = {
     "bf16_lower_bound_varlen_vfirst": dict(dtype=torch.bfloat16, gate="lower_bound", lens=[1, 17, 0, 97, 1100],
@@ -321,8 +323,9 @@ def test_chunk_function_traces_fullgraph():
         return torch.autograd.grad([o.square().sum(), s.sum()], leaves)
 
     torch.compiler.reset()
+    # fp32 tolerance, not bit equality: the traced forward may round differently (torch 2.11 did).
     for name, a, b in zip(NAMES, grads(torch.compile(fn, fullgraph=True, backend="aot_eager")), grads(fn)):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"d{name}")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
 
 
 def test_chunk_backward_half_precision_leaves():

@@ -1,7 +1,7 @@
-"""The chunked backward's kernel pass (``chunk_local_grad``): each of its two passes against a PyTorch
-reference of the same per-chunk math (fp64, on the GPU), and the backward built on it
-(``flashkda.autograd._kernel_backward``: chunk layout, scans, GVA) against the PyTorch backward, on
-the CPU with the reference standing in for the kernel."""
+"""The chunked backward's kernels: both passes of ``chunk_local_grad`` and both scans of
+``chunk_state_scan`` against PyTorch references of the same math (fp64, on the GPU), and the
+backward built on them (``flashkda.autograd._kernel_backward``: chunk layout, scans, GVA) against
+the PyTorch backward, on the CPU with the references standing in for the kernels."""
 
 from __future__ import annotations
 
@@ -46,6 +46,24 @@ def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, 
     return [tokens(x) for x in grads[:4]] + [tokens(grads[4][..., None])[..., 0]]
 
 
+def state_scan_reference(maps, offsets, start, reverse):
+    """What ``torch.ops.flashkda.chunk_state_scan`` computes (chunk_bwd_params.h)."""
+    J = maps.shape[0]
+    out = start.new_empty(J, *start.shape)
+    if not reverse:
+        if J:
+            out[0] = start
+        for j in range(J - 1):
+            out[j + 1] = maps[j] @ out[j] + offsets[j]
+        return [out]
+    if J == 0:
+        return [out, start.clone()]
+    out[J - 1] = start
+    for j in range(J - 1, 0, -1):
+        out[j - 1] = maps[j].transpose(-1, -2) @ out[j] + offsets[j]
+    return [out, maps[0].transpose(-1, -2) @ out[0] + offsets[0]]
+
+
 def _problem(lens, HV, K, device, dtype, seed, decay=5.0):
     """Preprocessed inputs as the backward hands them to the kernel: unit-norm q̂ (scaled) and k̂,
     log decays in [-decay, 0], β in (0, 1); the kernel's chunks of the sequences ``lens``."""
@@ -81,6 +99,7 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case):
     from test_autograd import _through_chunk_function, _upstream
 
     monkeypatch.setattr(_ext, "chunk_local_grad_op", local_grad_reference, raising=False)
+    monkeypatch.setattr(_ext, "chunk_state_scan_op", state_scan_reference, raising=False)
     kw = make_inputs(H=2, D=16, dtype=torch.float64, **KERNEL_GLUE_CASES[case], seed=3)
     do, dht = (x.double() for x in _upstream(kw))
     calls = []
@@ -134,3 +153,23 @@ def test_kernel_passes_match_reference(decay):
     want = local_grad_reference(*ref_in, bos_c, len_c, 1, S, dS)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, want):
         assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+@pytest.mark.parametrize("J", [1, 2, 37])
+def test_state_scan_matches_reference(J, reverse):
+    """Both scans against fp64, maps like the chunks' (eigenvalues within the unit disc: decay on
+    the diagonal, a small product off it), 5 (sequence, head) pairs."""
+    gen = torch.Generator().manual_seed(J)
+    K = 128
+    maps = torch.diag_embed(torch.rand(J, 5, K, generator=gen, dtype=torch.float64)) \
+        - 0.02 * torch.randn(J, 5, K, K, generator=gen, dtype=torch.float64)
+    offsets = torch.randn(J, 5, K, K, generator=gen, dtype=torch.float64)
+    start = torch.randn(5, K, K, generator=gen, dtype=torch.float64)
+    got = _ext.chunk_state_scan_op(maps.float().cuda(), offsets.float().cuda(), start.float().cuda(), reverse)
+    want = state_scan_reference(maps, offsets, start, reverse)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-5

@@ -93,4 +93,40 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
   return out;
 }
 
+// The scans over chunks on the transitions pass's maps: maps [J, NH, D, D], offsets [J, NH, D, D],
+// start [NH, D, D], all contiguous fp32. Returns [out] (forward: the states at chunk starts) or
+// [out, first] (reverse: the gradients of the states after chunks, and the initial state's).
+std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
+                                         bool reverse) {
+  TORCH_CHECK(maps.is_cuda(), "flashkda: maps must be a CUDA tensor");
+  const int64_t D = chunk::kHeadDim;
+  TORCH_CHECK(maps.dim() == 4 && maps.size(2) == D && maps.size(3) == D, "flashkda: maps must be [J, NH, 128, 128]");
+  const int64_t J = maps.size(0), NH = maps.size(1);
+  for (const auto& [t, name] : {std::pair{&maps, "maps"}, {&offsets, "offsets"}, {&start, "start"}}) {
+    check_cuda(*t, maps, name);
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "flashkda: ", name, " must be contiguous, 16-byte aligned float32");
+  }
+  TORCH_CHECK(offsets.sizes() == maps.sizes(), "flashkda: offsets must have the shape of maps");
+  TORCH_CHECK(start.dim() == 3 && start.size(0) == NH && start.size(1) == D && start.size(2) == D,
+              "flashkda: start must be [NH, 128, 128]");
+  std::vector<at::Tensor> out{at::empty_like(maps)};
+  if (reverse) out.push_back(at::empty_like(start));
+  ChunkScanParams p{};
+  p.maps = maps.data_ptr<float>();
+  p.offsets = offsets.data_ptr<float>();
+  p.start = start.data_ptr<float>();
+  p.out = out[0].data_ptr<float>();
+  p.first = reverse ? out[1].data_ptr<float>() : nullptr;
+  p.J = J;
+  p.NH = NH;
+  p.reverse = reverse;
+  const c10::cuda::CUDAGuard guard(maps.device());
+  if (reverse && J == 0) out[1].copy_(start);
+  const cudaError_t err = run_chunk_state_scan(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_state_scan launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace flashkda::binding

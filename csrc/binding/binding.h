@@ -107,12 +107,14 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
                     const std::optional<at::Tensor>& has_initial_state, bool checked);
 
 
-// The chunked backward's kernel pass (backward.cpp).
+// The chunked backward's kernel passes (backward.cpp).
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
                                          const std::optional<at::Tensor>& states,
                                          const std::optional<at::Tensor>& dstates);
+std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
+                                         bool reverse);
 
 }  // namespace flashkda::binding
 

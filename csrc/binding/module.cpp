@@ -1,7 +1,7 @@
 // The torch binding, split by job: params.cpp turns tensors into the framework-free params structs
 // of csrc/flashkda (with the safety-net checks), device.cpp keeps the per-device facts and the
 // kernel family, ops.cpp holds the general entry points, fast_entry.cpp the eager fast paths,
-// backward.cpp the chunked backward's kernel pass (called by flashkda/autograd.py), and this file
+// backward.cpp the chunked backward's kernel passes (called by flashkda/autograd.py), and this file
 // registers the ops and the module. Only these files include torch.
 //
 // Each forward has two ways in: an eager fast path (`fused_recurrent`, `chunk`: plain module
@@ -29,12 +29,14 @@ TORCH_LIBRARY(flashkda, m) {
   m.def(
       "chunk_local_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor dO, Tensor chunk_bos, "
       "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None) -> Tensor[]");
+  m.def("chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, bool reverse) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
   m.impl("recurrent_fwd", &flashkda::binding::recurrent_fwd);
   m.impl("chunk_fwd", &flashkda::binding::chunk_fwd);
   m.impl("chunk_local_grad", &flashkda::binding::chunk_local_grad);
+  m.impl("chunk_state_scan", &flashkda::binding::chunk_state_scan);
 }
 
 // `import flashkda._C` runs the registrations above. The module also exposes the entry points as

@@ -66,6 +66,8 @@ int chunk_smem_bytes();
 template <chunk_bwd::Pass kPass>
 cudaError_t run_chunk_local_grad(const ChunkBwdParams& params, cudaStream_t stream);
 int chunk_local_grad_smem_bytes();
+// The chunked backward's scans over chunks (chunk_state_scan.cuh), any sm_80+ device.
+cudaError_t run_chunk_state_scan(const ChunkScanParams& params, cudaStream_t stream);
 
 // cudaSuccess when the current device can run this build's kernels, else the error of loading one
 // (cudaErrorNoKernelImageForDevice: neither machine code for the device nor PTX it can compile).

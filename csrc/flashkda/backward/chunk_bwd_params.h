@@ -57,6 +57,19 @@ struct ChunkBwdParams {
   float* dbeta;  // [rows, HV]
 };
 
+// The two scans over chunks (chunk_state_scan.cuh), on the transitions pass's maps, for NH
+// (sequence, value head) pairs, chunk j of pair h at matrix j * NH + h.
+struct ChunkScanParams {
+  const float* maps;     // [J, NH, D, D] D_j (D = chunk::kHeadDim)
+  const float* offsets;  // [J, NH, D, D] B_j (forward) or Y_j (reverse)
+  const float* start;    // [NH, D, D] S_0 (forward) or G_{J-1} (reverse)
+  float* out;            // [J, NH, D, D] forward: S_0 .. S_{J-1}; reverse: G_0 .. G_{J-1}
+  float* first;          // reverse: [NH, D, D] the initial state's gradient D_0ᵀ G_0 + Y_0
+  int64_t J;             // chunks of the longest sequence
+  int64_t NH;            // sequences x value heads
+  bool reverse;
+};
+
 // Largest |Σ g| over the tokens of one sub-chunk that the kernel takes: its pivoted operands stay
 // within e^{±kMaxSubchunkSpan / 2} and their products finite in fp32. Wider spans take the PyTorch
 // backward (flashkda/autograd.py checks).

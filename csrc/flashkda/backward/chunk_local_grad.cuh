@@ -207,26 +207,58 @@ struct Block {
   }
   __device__ __forceinline__ float pair_factor(int a, int b, int c) const { return a == b ? 1.f : factor(a, b)[c]; }
 
-  // tile[t][c] = f(t, c, x[t][c], y[t][c]) over the chunk, from two fp32 token tensors (y may be x).
+  // tile[t][c] = f(t, c, x[t][c]) over the chunk, from an fp32 token tensor. A thread issues its
+  // loads before its stores, in two parts (the loads' latency, not their bandwidth, bounds these
+  // fills; the registers of the gradients pass allow no more in flight).
   template <class F>
   __device__ __forceinline__ void fill(const ChunkTile& tile, const float* x, F&& f) const {
-    for (int i = threadIdx.x; i < kChunk * kHeadDim / 4; i += kThreads) {
-      const int t = i / (kHeadDim / 4), c = (i % (kHeadDim / 4)) * 4;
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (t < len) v = __ldg(reinterpret_cast<const float4*>(x + at(t, c)));
-      tile.store2(t, c, f(t, c, v.x), f(t, c + 1, v.y));
-      tile.store2(t, c + 2, f(t, c + 2, v.z), f(t, c + 3, v.w));
+    constexpr int kPerRow = kHeadDim / 4, kParts = 2, kIters = kChunk * kPerRow / kThreads / kParts;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      float4 v[kIters];
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int i = threadIdx.x + (part * kIters + it) * kThreads, t = i / kPerRow, c = (i % kPerRow) * 4;
+        v[it] = t < len ? __ldg(reinterpret_cast<const float4*>(x + at(t, c))) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int i = threadIdx.x + (part * kIters + it) * kThreads, t = i / kPerRow, c = (i % kPerRow) * 4;
+        tile.store2(t, c, f(t, c, v[it].x), f(t, c + 1, v[it].y));
+        tile.store2(t, c + 2, f(t, c + 2, v[it].z), f(t, c + 3, v[it].w));
+      }
     }
   }
-  // A [kHeadDim][kHeadDim] fp32 matrix of this (chunk, head) into a bf16 state tile.
-  __device__ __forceinline__ void fill_state(const StateTile& tile, const float* x) const {
-    const float* src = x + (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim);
-    for (int i = threadIdx.x; i < kHeadDim * kHeadDim / 4; i += kThreads) {
-      const int r = i / (kHeadDim / 4), c = (i % (kHeadDim / 4)) * 4;
-      const float4 v = __ldg(reinterpret_cast<const float4*>(src + r * kHeadDim + c));
-      tile.store2(r, c, v.x, v.y);
-      tile.store2(r, c + 2, v.z, v.w);
+  // The [kHeadDim][kHeadDim] fp32 matrix of this (chunk, head) in x, into a bf16 state tile; with
+  // y, f(row, col, x4, y4) also sees each four values of x with those of y (loads first, as fill,
+  // in kParts parts: the registers of the gradients pass allow no more in flight). The 32 lanes of
+  // a warp hold one row per step.
+  template <class F>
+  __device__ __forceinline__ void fill_state(const StateTile& tile, const float* x, const float* y, F&& f) const {
+    constexpr int kPerRow = kHeadDim / 4, kParts = 4, kIters = kHeadDim * kPerRow / kThreads / kParts;
+    const int64_t base = (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim) / 4;
+    const float4* xs = reinterpret_cast<const float4*>(x) + base;
+    const float4* ys = reinterpret_cast<const float4*>(y) + base;
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      float4 v[kIters], w[kIters];
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int i = threadIdx.x + (part * kIters + it) * kThreads;
+        v[it] = __ldg(xs + i);
+        if (y != nullptr) w[it] = __ldg(ys + i);
+      }
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int i = threadIdx.x + (part * kIters + it) * kThreads, r = i / kPerRow, c = (i % kPerRow) * 4;
+        tile.store2(r, c, v[it].x, v[it].y);
+        tile.store2(r, c + 2, v[it].z, v[it].w);
+        if (y != nullptr) f(r, c, v[it], w[it]);
+      }
     }
+  }
+  __device__ __forceinline__ void fill_state(const StateTile& tile, const float* x) const {
+    fill_state(tile, x, nullptr, [](int, int, const float4&, const float4&) {});
   }
 };
 
@@ -274,10 +306,13 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
 
   // Γ (one thread per channel), β, and zeros for A, M and the reductions.
   if (tid < kHeadDim) {
+    float x[kChunk];  // loads first: their latency, not the sums, is the cost
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) x[t] = blk.load(p.g, t, tid);
     float run = 0.f;
-#pragma unroll 16
+#pragma unroll
     for (int t = 0; t < kChunk; ++t) {
-      run += blk.load(p.g, t, tid);
+      run += x[t];
       gamma[t * kHeadDim + tid] = run;
     }
   } else if (tid < kHeadDim + kChunk) {
@@ -343,16 +378,46 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     }
   }
   __syncthreads();
-  // L = (I + diag(β) A)⁻¹, row by row: L_i = e_i − β_i Σ_{j<i} A_ij L_j (four threads per column).
+  // L = (I + Ab)⁻¹, Ab = diag(β) A strictly lower, by 16 x 16 blocks (fp32): each diagonal block
+  // L_aa = (I + Ab_aa)⁻¹ by one warp, row by row; then the blocks below, one diagonal of blocks at
+  // a time, L_ab = −L_aa Σ_{b<=c<a} Ab_ac L_cb (from (I + Ab) L = I, block row a, column b).
   {
     float* L = reinterpret_cast<float*>(smem + SmemLayout::slot(3));
-    const int col = tid >> 2, part = tid & 3;
-    for (int i = 0; i < kChunk; ++i) {
-      float s = 0.f;
-      for (int j = col + part; j < i; j += 4) s += A[i * kChunk + j] * L[j * kChunk + col];
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (part == 0) L[i * kChunk + col] = i == col ? 1.f : (i > col ? -blk.beta()[i] * s : 0.f);
+    float* X = reinterpret_cast<float*>(smem + SmemLayout::slot(4));  // [kSubChunks - 1][16][16]
+    const float* beta = blk.beta();
+    for (int i = tid; i < kChunk * kChunk; i += kThreads) L[i] = 0.f;
+    __syncthreads();
+    {
+      const int warp = tid >> 5, lane = tid & 31;
+      if (warp < kSubChunks) {  // warp a: block a; lane: column lane % 16, every other term of its sums
+        const int o = warp * kSubChunk, col = lane & 15, part = lane >> 4;
+        for (int i = 0; i < kSubChunk; ++i) {
+          float s = 0.f;
+          for (int j = col + part; j < i; j += 2) s += A[(o + i) * kChunk + o + j] * L[(o + j) * kChunk + o + col];
+          s += __shfl_xor_sync(0xffffffffu, s, 16);
+          if (part == 0 && col <= i) L[(o + i) * kChunk + o + col] = i == col ? 1.f : -beta[o + i] * s;
+          __syncwarp();
+        }
+      }
+    }
+    __syncthreads();
+    constexpr int kBlock = kSubChunk * kSubChunk;
+    for (int d = 1; d < kSubChunks; ++d) {
+      const int blocks = kSubChunks - d;  // (a, a - d) for a = d .. kSubChunks - 1
+      for (int e = tid; e < blocks * kBlock; e += kThreads) {
+        const int a = d + e / kBlock, b = a - d, i = e % kBlock / kSubChunk, j = e % kSubChunk;
+        float s = 0.f;
+        for (int m = b * kSubChunk; m < a * kSubChunk; ++m) s += A[(a * kSubChunk + i) * kChunk + m] * L[m * kChunk + b * kSubChunk + j];
+        X[e] = beta[a * kSubChunk + i] * s;
+      }
+      __syncthreads();
+      for (int e = tid; e < blocks * kBlock; e += kThreads) {
+        const int a = d + e / kBlock, b = a - d, i = e % kBlock / kSubChunk, j = e % kSubChunk;
+        const float* Xab = X + (e / kBlock) * kBlock;
+        float s = 0.f;
+        for (int m = 0; m <= i; ++m) s += L[(a * kSubChunk + i) * kChunk + a * kSubChunk + m] * Xab[m * kSubChunk + j];
+        L[(a * kSubChunk + i) * kChunk + b * kSubChunk + j] = -s;
+      }
       __syncthreads();
     }
     for (int i = tid; i < kChunk * kChunk / 2; i += kThreads) {
@@ -362,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       Tt.store2(r, c, l0 * blk.beta()[c], l1 * blk.beta()[c + 1]);
     }
   }
-  // k̂ e^Γ and v (the Gram operands are dead: the L sweep above ended with a barrier).
+  // k̂ e^Γ and v (over the Gram operands: the solve above ended with a barrier).
   const ChunkTile kg = blk.slot(0), vt = blk.slot(1), wt = blk.slot(2);
   blk.fill(kg, p.k, [&](int t, int c, float x) { return x * __expf(blk.G(t, c)); });
   blk.fill(vt, p.v, [](int, int, float x) { return x; });
@@ -444,21 +509,13 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       add_through_decay(dqg, dq, p.q);
     }
     __syncthreads();
-    // dS' (the next state's gradient) over S; e^{Γ_C} Σ_v S dS' to the chunk's end; kd over w.
-    {
-      const int64_t base = (blk.chunk * p.HV + blk.hv) * int64_t(kHeadDim * kHeadDim);
-      const int warp = tid >> 5, lane = tid & 31;
-      for (int r = warp; r < kHeadDim; r += kWarps) {  // a warp per key row, four values per lane
-        const float4 s = __ldg(reinterpret_cast<const float4*>(p.states + base + r * kHeadDim) + lane);
-        const float4 d = __ldg(reinterpret_cast<const float4*>(p.dstates + base + r * kHeadDim) + lane);
-        St.store2(r, 4 * lane, d.x, d.y);
-        St.store2(r, 4 * lane + 2, d.z, d.w);
-        float x = s.x * d.x + s.y * d.y + s.z * d.z + s.w * d.w;
+    // dS' (the next state's gradient) over S, and e^{Γ_C} Σ_v S dS' to the chunk's end; kd over w.
+    blk.fill_state(St, p.dstates, p.states, [&](int r, int, const float4& d, const float4& s) {
+      float x = s.x * d.x + s.y * d.y + s.z * d.z + s.w * d.w;
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-        if (lane == 0) blk.end()[r] += x * __expf(blk.G_end(r));
-      }
-    }
+      for (int o = 1; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);  // the warp's row
+      if ((threadIdx.x & 31) == 0) blk.end()[r] += x * __expf(blk.G_end(r));
+    });
     blk.fill(kd, p.k, [&](int t, int c, float x) { return x * __expf(blk.G_end(c) - blk.G(t, c)); });
     __syncthreads();
     SquareAcc dM;  // dO Uᵀ, masked when stored
