@@ -325,7 +325,7 @@ def test_chunk_function_traces_fullgraph():
     torch.compiler.reset()
     # fp32 tolerance, not bit equality: the traced forward may round differently (torch 2.11 did).
     for name, a, b in zip(NAMES, grads(torch.compile(fn, fullgraph=True, backend="aot_eager")), grads(fn)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_chunk_backward_half_precision_leaves():
