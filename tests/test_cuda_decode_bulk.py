@@ -219,3 +219,43 @@ def test_slot_order_wide_span(pool_dtype, layout):
     assert torch.count_nonzero(o90[idx < 0]) == 0, "padding output is not zero"
     tol = 1e-6 if pool_dtype == torch.float32 else 4e-3
     assert rel_err(o90, o80) <= tol and rel_err(p90[named], p80[named]) <= tol
+
+
+def _served_kernels(fn) -> set:
+    """Names of the CUDA kernels that ``fn()`` launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+# (token dtype, pool dtype, tokens per sequence, V-first, head dim) -> the kernel decode_select.h picks
+# on an sm_90 device with the default family.
+SELECTED = {
+    "fp32_pool_one_token": ((torch.float32, torch.float32, 1, True, 128), "decode_step_stream"),
+    "bf16_pool_one_token": ((torch.bfloat16, torch.bfloat16, 1, True, 128), "decode_step_stream_tc"),
+    "bf16_pool_two_tokens": ((torch.bfloat16, torch.bfloat16, 2, True, 128), "decode_step_bulk"),
+    "fp32_pool_long": ((torch.float32, torch.float32, 20, True, 128), "decode_step_vfirst"),
+    "k_first": ((torch.float32, torch.float32, 1, False, 128), "decode_step_kfirst"),
+    "head_dim_64": ((torch.float32, torch.float32, 1, True, 64), "decode_step_vfirst"),
+}
+
+
+@pytest.mark.parametrize("case", list(SELECTED))
+def test_selected_kernel_serves(case):
+    """The kernel that decode_select.h's rule names for a call is the one the profiler sees (and only
+    that decode kernel)."""
+    (token_dtype, pool_dtype, T, v_first, D), want = SELECTED[case]
+    if want == "decode_step_bulk" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk kernel needs sm_90")
+    N, H, slots = 64, 2, 80
+    kw = make_inputs(B=N, T=T, H=H, D=D, dtype=token_dtype, device="cuda", state=False, state_v_first=v_first)
+    idx = torch.randperm(slots, device="cuda")[:N].to(torch.int32)
+    pool = (0.1 * torch.randn(slots, H, D, D, device="cuda")).to(pool_dtype)
+    names = _served_kernels(lambda: flashkda.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx))
+    decode = {n for n in names if "decode_step_" in n}
+    assert len(decode) == 1 and f"{want}<" in next(iter(decode)), f"{case}: {sorted(decode)}"

@@ -42,6 +42,16 @@ cudaError_t run_decode_stream_tc(const RecurrentParams& params, cudaStream_t str
 template <typename Elem, typename StateT>
 cudaError_t run_decode_bulk(const RecurrentParams& params, cudaStream_t stream, bool& launched);
 
+// Whether run_decode_stream, run_decode_stream_tc and run_decode_bulk would launch for these params
+// (the case covered, the kernel resident on the current device): the facts run_recurrent's
+// selector decides on (decode/decode_select.h).
+template <typename Elem>
+bool decode_stream_serves(const RecurrentParams& params);
+template <typename Elem>
+bool decode_stream_tc_serves(const RecurrentParams& params);
+template <typename Elem, typename StateT>
+bool decode_bulk_serves(const RecurrentParams& params);
+
 // Chunked forward (prefill), K == V == chunk::kHeadDim. Launch order on one stream:
 // run_chunk_index (varlen only), run_chunk_prepare, then run_chunk_recurrence with
 // recurrence_pass kWhole, or with segments: run_chunk_recurrence (kSegmentLocal),

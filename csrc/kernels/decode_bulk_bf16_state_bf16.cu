@@ -2,3 +2,4 @@
 #include "flashkda/decode/decode_bulk.cuh"
 
 template cudaError_t flashkda::run_decode_bulk<__nv_bfloat16, __nv_bfloat16>(const flashkda::RecurrentParams&, cudaStream_t, bool&);
+template bool flashkda::decode_bulk_serves<__nv_bfloat16, __nv_bfloat16>(const flashkda::RecurrentParams&);

@@ -2,3 +2,4 @@
 #include "flashkda/decode/decode_bulk.cuh"
 
 template cudaError_t flashkda::run_decode_bulk<float, float>(const flashkda::RecurrentParams&, cudaStream_t, bool&);
+template bool flashkda::decode_bulk_serves<float, float>(const flashkda::RecurrentParams&);

@@ -2,3 +2,4 @@
 #include "flashkda/decode/decode_stream.cuh"
 
 template cudaError_t flashkda::run_decode_stream<float>(const flashkda::RecurrentParams&, cudaStream_t, bool&);
+template bool flashkda::decode_stream_serves<float>(const flashkda::RecurrentParams&);

@@ -489,6 +489,13 @@ cudaError_t run_decode_bulk_tuned(const RecurrentParams& p, cudaStream_t stream,
 }
 
 template <typename Elem, typename StateT>
+bool decode_bulk_serves(const RecurrentParams& p) {
+  using Tune = decode_bulk::DefaultTuning<StateT>;
+  return decode_bulk::covers<StateT>(p, decode_bulk::Shape<Elem, StateT, Tune>::kBlocksV) &&
+         decode_bulk::blocks_per_sm<Elem, StateT, Tune>() > 0;
+}
+
+template <typename Elem, typename StateT>
 cudaError_t run_decode_bulk(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   return run_decode_bulk_tuned<Elem, StateT, decode_bulk::DefaultTuning<StateT>>(p, stream, launched);
 }

@@ -390,6 +390,13 @@ bool covers(const RecurrentParams& p) {
          recurrent::token_rows_aligned16<Elem>(p);
 }
 
+// Whether this device holds resident blocks of the variant that run_decode_stream launches for p.
+template <typename Elem>
+bool resident(const RecurrentParams& p) {
+  return p.cu_seqlens == nullptr && p.T == 1 ? recurrent::resident_blocks<decode_step_stream<Elem, 1>>(kWarps * 32) > 0
+                                             : recurrent::resident_blocks<decode_step_stream<Elem, 0>>(kWarps * 32) > 0;
+}
+
 template <typename Elem, int kPrefetch = 0>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
@@ -399,6 +406,11 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
 }
 
 }  // namespace decode_stream
+
+template <typename Elem>
+bool decode_stream_serves(const RecurrentParams& p) {
+  return decode_stream::covers<Elem>(p) && decode_stream::resident<Elem>(p);
+}
 
 template <typename Elem>
 cudaError_t run_decode_stream(const RecurrentParams& p, cudaStream_t stream, bool& launched) {

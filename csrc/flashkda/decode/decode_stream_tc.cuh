@@ -369,6 +369,14 @@ inline int items_per_unit(const RecurrentParams& p) {
   return large_units < int64_t(kSmallUnitRounds) * grid_warps ? kLargeUnit : kSmallUnit;
 }
 
+// Whether this device holds resident blocks of the variant that run_decode_stream_tc launches for p.
+template <typename Elem>
+bool resident(const RecurrentParams& p) {
+  return items_per_unit(p) == kLargeUnit
+             ? recurrent::resident_blocks<decode_step_stream_tc<Elem, false, kLargeUnit>>(kWarps * 32) > 0
+             : recurrent::resident_blocks<decode_step_stream_tc<Elem, false, kSmallUnit>>(kWarps * 32) > 0;
+}
+
 template <typename Elem, bool kWordStores = false>
 cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   launched = false;
@@ -386,6 +394,11 @@ cudaError_t run(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
 // State traffic in cp.async tiles against the earlier form that held the next item in registers
 // (loaded after the current item's stores; L2 prefetch one item ahead): H200, N = 256, 0.148-0.152
 // ms against 0.158-0.161 in the same runs (bench/harness/decode_harness.cu, BENCHMARK_H200.md).
+template <typename Elem>
+bool decode_stream_tc_serves(const RecurrentParams& p) {
+  return decode_stream_tc::covers<Elem>(p) && decode_stream_tc::resident<Elem>(p);
+}
+
 template <typename Elem>
 cudaError_t run_decode_stream_tc(const RecurrentParams& p, cudaStream_t stream, bool& launched) {
   return decode_stream_tc::run<Elem>(p, stream, launched);

@@ -19,6 +19,7 @@
 #include "flashkda/common/constants.h"
 #include "flashkda/common/recurrent_params.h"
 #include "flashkda/common/token_math.cuh"
+#include "flashkda/decode/decode_select.h"
 #include "flashkda/decode/recurrent_common.cuh"
 
 namespace flashkda {
@@ -286,35 +287,49 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMin
 // Launch
 // ---------------------------------------------------------------------------------------------
 
+// The facts select_decode_kernel (decode_select.h) decides on, gathered in its order: the bulk
+// kernel's are asked only when the streaming kernel does not take the call (the host path of a
+// decode step is part of its latency).
+template <typename Elem, int D>
+DecodeFacts decode_facts(const RecurrentParams& p) {
+  DecodeFacts f{};
+  f.v_first = p.state_v_first;
+  f.persistent_head_dim = D == kDecodeBulkHeadDim;
+  f.sm80_family = p.kernel_family == KernelFamily::kSm80;
+  if constexpr (D == kDecodeBulkHeadDim) {
+    if (!f.v_first || f.sm80_family) return f;
+    const DType state = p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype;
+    f.bf16_state = state == DType::kBFloat16;
+    f.stream_serves = f.bf16_state ? decode_stream_tc_serves<Elem>(p) : decode_stream_serves<Elem>(p);
+    if (f.stream_serves) return f;
+    f.bulk_serves = f.bf16_state ? decode_bulk_serves<Elem, __nv_bfloat16>(p) : decode_bulk_serves<Elem, float>(p);
+  }
+  return f;
+}
+
 template <typename Elem, int D>
 cudaError_t launch(const RecurrentParams& p, cudaStream_t stream) {
   if (p.N == 0) return cudaSuccess;
-  if constexpr (D == kDecodeBulkHeadDim) {
-    if (p.state_v_first && p.kernel_family != KernelFamily::kSm80) {
-      // The state streams through registers (decode_stream.cuh, decode_stream_tc.cuh); what those
-      // do not cover goes through the sm_90 kernel when it covers the case and the device has its
-      // code.
-      const DType state = p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype;
-      bool launched = false;
-      cudaError_t err = cudaSuccess;
-      if (state == DType::kBFloat16) {
-        err = run_decode_stream_tc<Elem>(p, stream, launched);
-        if (err == cudaSuccess && !launched) err = run_decode_bulk<Elem, __nv_bfloat16>(p, stream, launched);
-      } else {
-        err = run_decode_stream<Elem>(p, stream, launched);
-        if (err == cudaSuccess && !launched) err = run_decode_bulk<Elem, float>(p, stream, launched);
-      }
-      if (err != cudaSuccess || launched) return err;
+  bool launched = true;  // the persistent kernels confirm what decode_facts found
+  switch (select_decode_kernel(decode_facts<Elem, D>(p)).kernel) {
+    case DecodeKernel::kStreamTc: return run_decode_stream_tc<Elem>(p, stream, launched);
+    case DecodeKernel::kStream: return run_decode_stream<Elem>(p, stream, launched);
+    case DecodeKernel::kBulk:
+      return (p.state_in != nullptr ? p.state_in_dtype : p.state_out_dtype) == DType::kBFloat16
+                 ? run_decode_bulk<Elem, __nv_bfloat16>(p, stream, launched)
+                 : run_decode_bulk<Elem, float>(p, stream, launched);
+    case DecodeKernel::kVFirst: {
+      const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / VFirstShape<D>::kRows)));
+      decode_step_vfirst<Elem, D><<<grid, VFirstShape<D>::kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+    case DecodeKernel::kKFirst: {
+      const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / KFirstShape<D>::kCols)));
+      decode_step_kfirst<Elem, D><<<grid, KFirstShape<D>::kThreads, 0, stream>>>(p);
+      return cudaGetLastError();
     }
   }
-  if (p.state_v_first) {
-    const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / VFirstShape<D>::kRows)));
-    decode_step_vfirst<Elem, D><<<grid, VFirstShape<D>::kThreads, 0, stream>>>(p);
-    return cudaGetLastError();
-  }
-  const dim3 grid(unsigned(int64_t(p.N) * p.HV * (D / KFirstShape<D>::kCols)));
-  decode_step_kfirst<Elem, D><<<grid, KFirstShape<D>::kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace recurrent
