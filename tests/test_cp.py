@@ -71,6 +71,9 @@ def _worker(rank, world, init_file, out_dir, cases, gpu=False, shared_gpu=False)
             o, fla_o = o.cpu(), None if fla_o is None else fla_o.cpu()
             torch.save(dict(o=o, fla_o=fla_o, pre=ctx.pre_num_ranks, post=ctx.post_num_ranks,
                             cu=ctx.cu_seqlens_cpu.tolist()), os.path.join(out_dir, f"{name}_{rank}.pt"))
+        # Every rank done with its collectives before any tears the group down: a rank that closes
+        # its gloo pairs while another still reads them aborts that one (seen under a loaded CPU).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
