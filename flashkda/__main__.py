@@ -80,10 +80,13 @@ def describe() -> list:
             decode = ("V-first K = V = 128 pools: the streaming kernels (fp32 pools; bf16 pools with one token per "
                       "sequence)" + (", the bulk-copy kernel (other bf16 pools)" if cc >= (9, 0) else "") +
                       "; the token-by-token kernel otherwise")
+        bwd_short = _ext.chunk_bwd_shortfall(index)
+        backward = ("the backward's kernels (chunk_local_grad, chunk_state_scan) for K = V = 128 and gates whose "
+                    "log decay over 16 tokens stays within their span, a PyTorch backward otherwise"
+                    if bwd_short is None else f"a PyTorch backward ({bwd_short})")
         lines.append(f"{head}, kernel family {family}:")
-        lines += [f"  prefill: {prefill}", f"  decode: {decode}",
-                  "  other head sizes, float64: the PyTorch reference; training: the kernels' forward and a "
-                  "PyTorch backward"]
+        lines += [f"  prefill: {prefill}", f"  decode: {decode}", f"  training: the kernels' forward; {backward}",
+                  "  other head sizes, float64: the PyTorch reference"]
     return lines
 
 
