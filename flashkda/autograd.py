@@ -455,7 +455,9 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
     D, Bm, Y = (x.view(J, N * HV, K, x.shape[-1]) for x in (D, Bm, Y))
     (states,) = _ext.chunk_state_scan_op(D, Bm, S0.reshape(N * HV, K, V).contiguous(), False)
+    del Bm  # each map is freed once its scan is done: the gradients pass's outputs take its place
     nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.reshape(N * HV, K, V).contiguous(), True)
+    del D, Y
     dS0 = dS0.view(N, HV, K, V)
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1,
                                                   states.view(J * N, HV, K, V), nexts.view(J * N, HV, K, V))
