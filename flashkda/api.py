@@ -187,8 +187,7 @@ def _validate(
             _dtype(has, "has_initial_state", (torch.bool,))
             _shape(has, "has_initial_state", (N,), "[N]")
             _device(has, "has_initial_state", dev)
-        if not initial_state.is_contiguous():
-            raise ValueError("flashkda: the state pool initial_state must be contiguous (it is updated in place)")
+        _pool_layout(initial_state, "initial_state")
         slots = initial_state.shape[0]
         if idx.device.type == "cpu" or _ext.config.debug:
             hi = int(idx.max()) if idx.numel() else -1
@@ -268,6 +267,26 @@ def _kernel_float(x: torch.Tensor) -> torch.Tensor:
     """A tensor the kernels read in its own dtype (g, beta, the gate parameters): itself, or a float32
     copy of a float64 one, which the kernels do not read (FLA's kernels also read them in fp32)."""
     return x.float() if x.dtype == torch.float64 else x
+
+
+def pool_layout_reason(pool: torch.Tensor) -> Optional[str]:
+    """Why ``pool`` [slots, HV, ·, ·] cannot be a state pool, or None. A pool is updated in place, so
+    it is used as given: each slot dense, slots at least a slot and a multiple of 16 bytes apart.
+    Serving engines pitch one slot across all layers, so a layer's pool is a view whose slot stride
+    is larger than a slot."""
+    slot = pool.shape[1] * pool.shape[2] * pool.shape[3]
+    wants = ((3, 1), (2, pool.shape[3]), (1, pool.shape[2] * pool.shape[3]))
+    stride = pool.stride(0) if pool.shape[0] > 1 else slot
+    if any(pool.shape[d] > 1 and pool.stride(d) != want for d, want in wants) or stride < slot or (
+            stride * pool.element_size()) % 16:
+        return (f"its slots must be dense [HV, ·, ·], at least a slot and a multiple of 16 bytes apart (it is updated "
+                f"in place); got strides {list(pool.stride())}")
+    return None
+
+
+def _pool_layout(pool: torch.Tensor, name: str) -> None:
+    if pool.dim() == 4 and (why := pool_layout_reason(pool)) is not None:  # other shapes: the shape checks
+        raise ValueError(f"flashkda: the state pool {name}: {why}")
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -438,9 +457,10 @@ def _chunk_state_dest(fn: str, p: _Problem, q, k, cu_seqlens, cu_seqlens_cpu, st
     # The kernels' pools: float32 or bfloat16 (float64 only beside float64 inputs, on the reference).
     _dtype(pool, "checkpoint_pool", _STATE_TYPES if q.dtype == torch.float64 else (torch.float32, torch.bfloat16))
     _device(pool, "checkpoint_pool", q.device)
-    if pool.dim() != 4 or tuple(pool.shape[1:]) != tail or not pool.is_contiguous():
-        raise ValueError(f"flashkda: checkpoint_pool must be a contiguous [num_slots, {', '.join(map(str, tail))}] "
-                         f"state pool, got shape {list(pool.shape)}")
+    if pool.dim() != 4 or tuple(pool.shape[1:]) != tail:
+        raise ValueError(f"flashkda: checkpoint_pool must be a [num_slots, {', '.join(map(str, tail))}] state pool, "
+                         f"got shape {list(pool.shape)}")
+    _pool_layout(pool, "checkpoint_pool")
     _dtype(slots, "checkpoint_slots", _INDEX_TYPES)
     _device(slots, "checkpoint_slots", q.device)
     if slots.dim() != 2 or slots.shape[0] != p.N:

@@ -28,6 +28,11 @@ DType to_dtype(const at::Tensor& t, const char* name);
 IndexType to_index_type(const at::Tensor& t, const char* name);
 void check_cuda(const at::Tensor& t, const at::Tensor& ref, const char* name);
 void check_last_dim_contiguous(const at::Tensor& t, const char* name);
+// Elements between a state tensor's slots (its first stride; a slot's size for one slot), and
+// whether its slots are dense [HV, D, D] at least a slot and a multiple of 16 bytes apart (a serving
+// engine's pool pitched across layers is a view of that kind).
+int64_t slot_stride(const at::Tensor& s);
+bool dense_slots(const at::Tensor& s);
 void check_serving_state(const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& final_state,
                          const at::Tensor& ssm_state_indices, const at::Tensor& q);
 const at::Tensor* opt(const std::optional<at::Tensor>& t);

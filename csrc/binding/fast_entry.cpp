@@ -183,15 +183,16 @@ const char* check_tokens(PyObject* const* a, Py_ssize_t scalar_gate, Call& c) {
 }
 
 // initial_state, when given: a contiguous, 16-byte aligned float32/bfloat16 [N, HV, K, V] beside q,
-// or the slot pool [slots, HV, K, V] when slot indices come with it (K == V in both layouts here).
+// or the slot pool [slots, HV, K, V] when slot indices come with it (K == V in both layouts here),
+// whose slots may be pitched wider (dense_slots).
 const char* check_initial_state(const Call& c) {
   const at::Tensor* s = c.initial_state;
   if (s == nullptr) return nullptr;
   const int64_t HV = c.v->size(2), K = c.q->size(3);
   if ((s->scalar_type() != at::kFloat && s->scalar_type() != at::kBFloat16) || s->device() != c.q->device() ||
       s->dim() != 4 || s->size(1) != HV || s->size(2) != K || s->size(3) != K ||
-      (c.indices == nullptr && s->size(0) != c.N) || !s->is_contiguous())
-    return "initial_state: not a contiguous float32/bfloat16 [N or slots, HV, K, V] beside q";
+      (c.indices == nullptr && s->size(0) != c.N) || !(c.indices == nullptr ? s->is_contiguous() : dense_slots(*s)))
+    return "initial_state: not a contiguous float32/bfloat16 [N, HV, K, V] (or a pool with dense slots) beside q";
   if (reinterpret_cast<uintptr_t>(s->data_ptr()) % 16 != 0) return "initial_state: not 16-byte aligned";
   return nullptr;
 }

@@ -147,12 +147,16 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
     const at::Tensor& h = *chunk_states;
     check_cuda(h, q, "chunk_states");
     const int64_t per_entry = int64_t(p.HV) * p.D * p.D;
-    TORCH_CHECK(h.is_contiguous() && h.dim() >= 3 && h.size(-1) == p.D && h.size(-2) == p.D && h.size(-3) == p.HV &&
+    // Dense entries: contiguous; a pool (chunk_state_slots): dense slots, possibly pitched wider.
+    const bool layout_ok = chunk_state_slots.has_value() ? dense_slots(h) : h.is_contiguous();
+    TORCH_CHECK(layout_ok && h.dim() >= 3 && h.size(-1) == p.D && h.size(-2) == p.D && h.size(-3) == p.HV &&
                     reinterpret_cast<uintptr_t>(h.data_ptr()) % 16 == 0,
-                "flashkda: chunk_states must be a contiguous, 16-byte aligned [..., HV, D, D] tensor");
+                "flashkda: chunk_states must be a 16-byte aligned [..., HV, D, D] tensor, contiguous (or a pool with "
+                "dense slots)");
     p.chunk_states = h.data_ptr();
     p.chunk_states_dtype = to_dtype(h, "chunk_states");
-    p.chunk_state_entries = h.numel() / per_entry;
+    p.chunk_state_entries = chunk_state_slots.has_value() ? h.size(0) : h.numel() / per_entry;
+    p.chunk_state_stride = chunk_state_slots.has_value() ? slot_stride(h) : 0;
     if (chunk_state_slots.has_value()) {
       const at::Tensor& s = *chunk_state_slots;
       check_cuda(s, q, "chunk_state_slots");

@@ -50,14 +50,31 @@ void check_serving_state(const std::optional<at::Tensor>& initial_state, const s
 
 const at::Tensor* opt(const std::optional<at::Tensor>& t) { return t.has_value() ? &*t : nullptr; }
 
-// Every state tensor given: on q's device, contiguous [>= num_slots, HV, D, D], fp32 or bf16.
+int64_t slot_stride(const at::Tensor& s) {
+  return s.size(0) > 1 ? s.stride(0) : s.size(1) * s.size(2) * s.size(3);
+}
+
+bool dense_slots(const at::Tensor& s) {
+  if (s.dim() != 4) return false;
+  const int64_t slot = s.size(1) * s.size(2) * s.size(3);
+  const bool inner = (s.size(3) <= 1 || s.stride(3) == 1) && (s.size(2) <= 1 || s.stride(2) == s.size(3)) &&
+                     (s.size(1) <= 1 || s.stride(1) == s.size(2) * s.size(3));
+  return inner && slot_stride(s) >= slot && (slot_stride(s) * s.element_size()) % 16 == 0;
+}
+
+// Every state tensor given: on q's device, [>= num_slots, HV, D, D] with dense slots (dense_slots),
+// fp32 or bf16; the initial and the final state one slot stride.
 void check_states(const RecurrentParams& p, const at::Tensor& q, const std::optional<at::Tensor>& initial_state,
                   const std::optional<at::Tensor>& final_state) {
+  if (initial_state.has_value() && final_state.has_value())
+    TORCH_CHECK(slot_stride(*initial_state) == slot_stride(*final_state),
+                "flashkda: initial_state and final_state must have one slot stride");
   for (const auto* s : {opt(initial_state), opt(final_state)}) {
     if (s == nullptr) continue;
     check_cuda(*s, q, "state");
-    TORCH_CHECK(s->is_contiguous() && s->dim() == 4 && s->size(1) == p.HV && s->size(2) == p.D && s->size(3) == p.D,
-                "flashkda: state must be contiguous [slots, HV, D, D]");
+    TORCH_CHECK(dense_slots(*s) && s->size(1) == p.HV && s->size(2) == p.D && s->size(3) == p.D,
+                "flashkda: state must be [slots, HV, D, D] with dense slots, a slot stride of at least one slot and "
+                "a multiple of 16 bytes");
     TORCH_CHECK(s->size(0) >= p.num_slots, "flashkda: state has fewer slots than sequences");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(s->data_ptr()) % 16 == 0,
                 "flashkda: state must be 16-byte aligned (the kernels move it in 16-byte pieces)");
@@ -163,6 +180,8 @@ void set_state_params(RecurrentParams& p, const at::Tensor* initial_state, const
   }
   if (initial_state != nullptr) p.state_in = initial_state->data_ptr();
   if (final_state != nullptr) p.state_out = final_state->data_ptr();
+  const at::Tensor* given = initial_state != nullptr ? initial_state : final_state;
+  p.state_slot_stride = given != nullptr ? slot_stride(*given) : 0;
   p.state_in_dtype = state_dtype(initial_state);
   p.state_out_dtype = state_dtype(final_state);
 }

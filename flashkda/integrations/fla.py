@@ -292,8 +292,9 @@ def _fused_recurrent_kda_fwd_reason(q, k, v, g, beta, A_log=None, dt_bias=None, 
             N = _num_seqs(q, cu_seqlens)
             if initial_state.dim() != 4 or initial_state.shape[0] < N:
                 return f"initial_state must have shape [>= {N}, HV, ...], got {list(initial_state.shape)}"
-            if not initial_state.is_contiguous():
-                return "initial_state must be contiguous (it is updated in place)"
+            why = _api.pool_layout_reason(initial_state)
+            if why is not None:
+                return f"initial_state: {why}"
             pool = initial_state[:N]
         else:
             pool = initial_state

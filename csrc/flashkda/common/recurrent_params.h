@@ -50,9 +50,12 @@ struct RecurrentParams {
   // nullptr: sequence n is batch row n, T tokens.
   const void* cu_seqlens;  // [N + 1]
 
-  // Recurrent state: contiguous slots of [HV, K, V] (key-first) or [HV, V, K] (state_v_first).
+  // Recurrent state: slots of dense [HV, K, V] (key-first) or [HV, V, K] (state_v_first), slot s at
+  // element s * state_slot_elems(*this): a serving engine's pool may pitch its slots wider (one slot
+  // across all layers, a layer's pool a view into it).
   const void* state_in;  // [*, HV, ...] or nullptr (zero initial state)
   void* state_out;       // [*, HV, ...] or nullptr (no final state); may equal state_in (pool)
+  int64_t state_slot_stride;  // elements between slots of state_in and state_out; 0: HV * D * D
   // Serving mode: slot_indices != nullptr. [N] (idx_cols == 0): read and write slot idx[n].
   // [N, idx_cols]: read idx[n, num_accepted[n] - 1] (or idx[n, 0]), write the state after token t
   // to idx[n, t]. A slot outside [0, num_slots) is padding: skipped, zero output, no write.
@@ -79,5 +82,10 @@ struct RecurrentParams {
   int32_t num_sms;            // of the current device, for the block-shape choice
   KernelFamily kernel_family;
 };
+
+// Elements between consecutive state slots (RecurrentParams::state_slot_stride, 0: dense).
+__host__ __device__ inline int64_t state_slot_elems(const RecurrentParams& p) {
+  return p.state_slot_stride != 0 ? p.state_slot_stride : int64_t(p.HV) * p.D * p.D;
+}
 
 }  // namespace flashkda

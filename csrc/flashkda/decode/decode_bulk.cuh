@@ -227,7 +227,7 @@ __device__ __forceinline__ void produce(const RecurrentParams& p, const Plan& pl
   const uint32_t g_row = p.scalar_gate ? 0 : D * dtype_bytes(p.g_dtype);
   const uint32_t bias_row = p.scalar_gate || p.dt_bias == nullptr ? 0 : D * dtype_bytes(p.dt_bias_dtype);
   const uint32_t token_bytes = 2 * qk_row + v_slice + g_row + bias_row;
-  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const int64_t slot_elems = state_slot_elems(p);
   const uint32_t grid = gridDim.x;
 
   int stage = 0;
@@ -283,7 +283,7 @@ __device__ __forceinline__ void consume(const RecurrentParams& p, const Plan& pl
   const int lane_k = lane % TK;
   const int row0 = warp * S::kRowsPerWarp + lane / TK;  // this thread's rows of a tile: row0 + j * kRowsPerPass
   const uint64_t evict_first = sm90::evict_first_policy();
-  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const int64_t slot_elems = state_slot_elems(p);
 
   int stage = 0, pending = -1;  // pending: stage whose bulk store may still be reading shared memory
   uint32_t phase = 0;

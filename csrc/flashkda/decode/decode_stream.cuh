@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
     decode_step_stream(const RecurrentParams p, const uint32_t num_items) {
   const int lane = threadIdx.x % 32;
   const uint32_t stride = gridDim.x * kWarps;
-  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const int64_t slot_elems = state_slot_elems(p);
   const float* state_in = static_cast<const float*>(p.state_in);
   float* state_out = static_cast<float*>(p.state_out);
 

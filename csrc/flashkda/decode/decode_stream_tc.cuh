@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t4 = lane % 4;
   Scratch& sc = scratch[warp];
   const uint32_t stride = gridDim.x * kWarps;
-  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const int64_t slot_elems = state_slot_elems(p);
   const bf16* state_in = static_cast<const bf16*>(p.state_in);
   bf16* state_out = static_cast<bf16*>(p.state_out);
 

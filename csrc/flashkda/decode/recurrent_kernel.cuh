@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(VFirstShape<D>::kThreads, VFirstShape<D>::kMin
     return;
   }
 
-  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const int64_t slot_elems = state_slot_elems(p);
   auto state_offset = [&](int64_t slot, int j, int c) {
     return slot * slot_elems + int64_t(hv) * D * D + int64_t(row0 + j * Shape::kRowsPerPass) * D +
            c * 4 * TK + lane_k * 4;
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(KFirstShape<D>::kThreads, KFirstShape<D>::kMin
     return;
   }
 
-  const int64_t slot_elems = int64_t(p.HV) * D * D;
+  const int64_t slot_elems = state_slot_elems(p);
   auto state_offset = [&](int64_t slot, int r) {
     return slot * slot_elems + int64_t(hv) * D * D + int64_t(r0 + r) * D + col;
   };
