@@ -102,7 +102,7 @@ struct ChunkParams : RecurrentParams {
   void* chunk_states;
   DType chunk_states_dtype;           // float32, bfloat16 or float16
   int64_t chunk_state_entries;        // dense entries or pool slots
-  int64_t chunk_state_stride;         // elements between entries / slots; 0: HV * D * D (dense)
+  int64_t chunk_state_stride;         // elements between entries / slots; 0: dense (plan_chunk sets it)
   const void* chunk_state_slots;      // [N, chunk_slot_cols], row stride chunk_slot_row_stride
   IndexType chunk_slot_type;
   int64_t chunk_slot_row_stride;
@@ -114,11 +114,6 @@ struct ChunkParams : RecurrentParams {
   // skips the sequence: zero output, nothing written.
   const bool* has_initial_state;  // [N] or nullptr
 };
-
-// Elements between consecutive entries or slots of chunk_states (0: dense).
-__host__ __device__ inline int64_t chunk_state_slot_elems(const ChunkParams& p) {
-  return p.chunk_state_stride != 0 ? p.chunk_state_stride : int64_t(p.HV) * p.D * p.D;
-}
 
 // Segment matrices of all sequences together (see segment_matrix): at most
 // num_chunk_slots / segment_chunks + N, whatever the split of the slots into sequences.

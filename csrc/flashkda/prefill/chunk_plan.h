@@ -51,6 +51,10 @@ inline int64_t auto_segment_chunks(int64_t chunks, int64_t chains, int64_t sms) 
 // cuts it into segments of n chunks joined by a scan; -1 picks by auto_segment_chunks. Returns ""
 // or why the call cannot run.
 inline std::string plan_chunk(ChunkParams& p, int64_t value_split, int64_t segment_chunks, ChunkWorkspace& ws) {
+  // Slot strides of 0 mean dense: the chunked kernels read the strides as set here (a select in
+  // chunk_recurrence cost it 4 registers and 16 bytes of spills).
+  if (p.state_slot_stride == 0) p.state_slot_stride = int64_t(p.HV) * p.D * p.D;
+  if (p.chunk_state_stride == 0) p.chunk_state_stride = int64_t(p.HV) * p.D * p.D;
   const int64_t chunk = chunk::kChunk;
   const bool varlen = p.cu_seqlens != nullptr;
   int64_t slots = 0;

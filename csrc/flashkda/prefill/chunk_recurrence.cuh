@@ -317,7 +317,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     // kWhole: state_in (zeros without); kSegmentLocal: zeros, or the identity for the transition;
     // kSegmentOutput: the segment's start state.
     const int64_t state_slot = sequence_state_slot(p, n);  // -1: a skipped sequence (serving mode)
-    const int64_t state_base = state_slot * state_slot_elems(p) + int64_t(hv) * kHeadDim * kHeadDim;
+    const int64_t state_base = state_slot * p.state_slot_stride + int64_t(hv) * kHeadDim * kHeadDim;
     const bool from_state_in = !segmented && state_slot >= 0 && reads_initial_state(p, n);
     float s[kKeyTiles][4];
     {
@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     auto state_dst = [&](int64_t entry) -> void* {
       if (entry < 0 || entry >= p.chunk_state_entries) return nullptr;
       return static_cast<char*>(p.chunk_states) +
-             (entry * chunk_state_slot_elems(p) + int64_t(hv) * kHeadDim * kHeadDim) * dtype_bytes(p.chunk_states_dtype);
+             (entry * p.chunk_state_stride + int64_t(hv) * kHeadDim * kHeadDim) * dtype_bytes(p.chunk_states_dtype);
     };
     // chunk_prepare's records. The initial state and the varlen order above are read before it,
     // while chunk_prepare drains: chunk_prepare allows this grid only after its own wait, so what

@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(ScanLayout::kThreads) chunk_segment_scan_kerne
   segs = segs < p.segments_per_seq ? segs : p.segments_per_seq;
   const int64_t slot = sequence_state_slot(p, n);
   if (slot < 0) return;  // serving mode, a padding slot: the output pass skips the sequence too
-  const int64_t state_base = slot * state_slot_elems(p) + int64_t(hv) * kHeadDim * kHeadDim;
+  const int64_t state_base = slot * p.state_slot_stride + int64_t(hv) * kHeadDim * kHeadDim;
 
   auto prefetch_transition = [&](int s) {  // P_s into buffer s % 2
     const float* src = p.seg_states + segment_matrix(p, n, seq, s, SegmentLayout::kTransition, hv);
