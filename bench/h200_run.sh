@@ -68,9 +68,11 @@ if [[ $what == quick ]]; then
 fi
 if [[ $what == check ]]; then
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
-  timeout ${TEST_LIMIT:-240} python3 -m pytest -q tests/ -m "not slow and not fla_compile" --tb=line -p no:cacheprovider \
+  # -v: one line per test, so a run cut by the time limit still names what failed and where it stopped.
+  timeout ${TEST_LIMIT:-240} python3 -m pytest -v tests/ -m "not slow and not fla_compile" --tb=line -p no:cacheprovider \
     >"$OUT/tests.log" 2>&1
-  tail -2 "$OUT/tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -12 | cut -c1-250
+  grep -cE " PASSED " "$OUT/tests.log"; tail -1 "$OUT/tests.log" | cut -c1-300
+  grep -E " (FAILED|ERROR) |^(FAILED|ERROR)" "$OUT/tests.log" | sort -u | head -12 | cut -c1-250
   timeout 90 python3 -m pytest -q -m slow tests/test_cuda_chunk.py -p no:cacheprovider 2>&1 | tail -1
   # the library from C++ alone (CMake): a varlen prefill and a decode step against a host recurrence
   { cmake -S . -B build/cmake -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null \
