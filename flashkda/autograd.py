@@ -2,32 +2,35 @@
 
 A call that the CUDA kernels serve records :class:`ChunkFunction`: its forward is the kernels'
 forward and saves only the inputs; its backward (:func:`chunk_backward`) recomputes what it needs
-in fp32 and returns the gradients of every input that requires grad, FLA's gradients with FLA's
-semantics (raw gate, ``A_log`` and ``dt_bias`` in their own shapes, raw ``beta`` through the
-sigmoid, the l2 norm, GVA sums, the initial state in its own layout and dtype).
+and returns the gradients of every input that requires grad, FLA's gradients with FLA's semantics
+(raw gate, ``A_log`` and ``dt_bias`` in their own shapes, raw ``beta`` through the sigmoid, the l2
+norm, GVA sums, the initial state in its own layout and dtype).
 
 The backward splits the recurrence at 64-token chunks (the layout of the kernels'
-``return_intermediate_states``) and writes every step out, with no autograd graph inside:
+``return_intermediate_states``); the state is the only coupling between chunks:
 
-1. the per-token preprocessing of the raw inputs (:func:`flashkda.reference.preprocess`) and the
-   chunk layout ``[N, HV, J, 64, ·]``;
-2. every chunk's local quantities at once (:func:`_chunk_local`): the decay factors, the decayed
-   Gram matrices ``M = tril(q kᵀ ⊙ e^{Γi−Γj})`` and ``A = strict_tril(k kᵀ ⊙ e^{Γi−Γj})``,
+1. the per-token preprocessing of the raw inputs (:func:`flashkda.reference.preprocess`, fp32);
+2. every chunk's local quantities: the decay factors, the decayed Gram matrices
+   ``M = tril(q kᵀ ⊙ e^{Γi−Γj})`` and ``A = strict_tril(k kᵀ ⊙ e^{Γi−Γj})``,
    ``T = (I + diag(β) A)⁻¹ diag(β)``, ``w = T (k e^Γ)``, ``u = T v``, ``q e^Γ``, ``kd = k e^{Γ_C−Γ}``
-   and the chunk decay ``e^{Γ_C}``;
-3. each chunk's state map ``D = diag(e^{Γ_C}) − kdᵀ w``, then the states at chunk starts
-   (``S' = D S + kdᵀ u``) and the state gradients (``dS = Dᵀ dS' + (q e^Γ − M w)ᵀ dO``, from the
-   final state's gradient; the first is the initial state's), one batched multiply-add a chunk;
+   and the chunk decay ``e^{Γ_C}``, hence each chunk's state map ``S' = D S + B`` with
+   ``D = diag(e^{Γ_C}) − kdᵀ w``, ``B = kdᵀ u``;
+3. the states at chunk starts and the state gradients (``dS = Dᵀ dS' + (q e^Γ − M w)ᵀ dO``, from the
+   final state's gradient; the first is the initial state's), two scans over chunks;
 4. every chunk's gradients at once from ``dO`` and its next state's gradient, the states held
-   constant (:func:`_chunk_local_backward`): the state is the only coupling between chunks;
-5. back through the chunk layout, GVA and the preprocessing (:func:`_preprocess_grads`).
+   constant;
+5. back through GVA and the preprocessing (:func:`_preprocess_grads`).
 
-Within a chunk only ``e^{Γi−Γj}`` for ``j <= i`` is formed, each factor at most 1 (see
-:func:`_decayed_grams`), and the gradient in ``g`` follows the same sums (:func:`_gram_grads`):
-unbounded softplus gates and masks such as ``g = -1e4`` stay finite and precise. Varlen batches are
-laid out as ``[N, chunks]`` of their longest sequence; padded tokens have zero ``q, k, v, beta``
-and a zero log decay, so padded chunks pass the state through. The backward is one registered op
-(``flashkda::chunk_bwd``), so torch.compile traces a training call without looking inside it.
+Steps 2-4 run on the CUDA kernels (:func:`_kernel_backward`: ``chunk_local_grad``'s two passes and
+``chunk_state_scan``, bf16 tensor-core products with fp32 accumulation) where they serve (sm_90,
+K = V = 128, log decays within their 16-token span), else in PyTorch (:func:`_torch_backward`,
+fp32, written out with no autograd graph inside). There, within a chunk only ``e^{Γi−Γj}`` for
+``j <= i`` is formed, each factor at most 1 (see :func:`_decayed_grams`), and the gradient in ``g``
+follows the same sums (:func:`_gram_grads`): unbounded softplus gates and masks such as
+``g = -1e4`` stay finite and precise; varlen batches are laid out as ``[N, chunks]`` of their
+longest sequence, padded tokens with zero ``q, k, v, beta`` and a zero log decay, so padded chunks
+pass the state through. The backward is one registered op (``flashkda::chunk_bwd``), so
+torch.compile traces a training call without looking inside it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 //
 // Each block recomputes the chunk's local forward from the preprocessed inputs: the cumulative log
 // decay Γ, the decayed Gram matrices M and A, the unit lower triangular solve L = (I + diag(β) A)⁻¹
-// (fp32, row by row), T = L diag(β), w and u. Products run on the tensor cores (mma.sync m16n8k16,
-// bf16 operands in shared memory, fp32 accumulators), which every sm_80+ GPU has.
+// (fp32, by 16 x 16 blocks), T = L diag(β), w and u. Products run on the tensor cores (mma.sync
+// m16n8k16, bf16 operands in shared memory, fp32 accumulators); the block's 222 KB of shared memory
+// needs an sm_90 GPU.
 //
 // Decay without overflow, as the forward (chunk_prepare.cuh): tokens in sub-chunks of 16, γ the
 // log decay from a token's sub-chunk start, h_a half of sub-chunk a's total. The Gram operands are
@@ -13,7 +14,8 @@
 // every product is exactly e^{Γi−Γj} and every factor stays within e^{±kBwdMaxSubchunkSpan / 2}.
 // The gradients of the Gram matrices follow the same blocks: for Z = x yᵀ ⊙ e^{Γi−Γj},
 // dx = e^{γ−h_a} Σ_b f_ab (dZ_ab Y_b), dy = e^{h_b−γ} Σ_a f_ab (dZ_abᵀ X_a), and the decay's share
-// dΓ_i = x_i dx_i − y_i dy_i; the log decays' gradient is the suffix sum of dΓ over the chunk.
+// dΓ = x dx − y dy, taken from the products' own operands (see the gradients pass); the log
+// decays' gradient is the suffix sum of dΓ over the chunk.
 //
 // The block's gradients of q̂, k̂ and Γ stay in registers, in the accumulator layout of a 64 x 128
 // product (every such product of the block gives each thread the same elements).
@@ -262,10 +264,11 @@ struct Block {
   }
 };
 
-// Gradients of Z = x yᵀ ⊙ e^{Γi−Γj} (j <= i, blocks as above) for this warp's 16 x 64 part of the
-// chunk (sub-chunk blk = warp % 4, channels 64 (warp / 4) ...): accumulates into xs[t][c] the
-// x-side e^{γ−h} Σ_b f_ab (dZ_ab Y_b) (kSideX) or the y-side e^{h−γ} Σ_a f_ab (dZ_abᵀ X_a), in the
-// ChunkAcc layout.
+// For Z = x yᵀ ⊙ e^{Γi−Γj} (j <= i, blocks as above) and its gradient dZ, this warp's 16 x 64 part
+// of the chunk (sub-chunk warp % 4, channels 64 (warp / 4) ...) in the ChunkAcc layout: adds to
+// `out` the x-side Σ_b f_ab (dZ_ab Y_b) (kSideX) or the y-side Σ_a f_ab (dZ_abᵀ X_a) of the
+// sub-chunk's rows, X = x e^{γ−h} and Y = y e^{h−γ} the operand tiles; the caller scales by
+// e^{γ−h} (x-side) or e^{h−γ} (y-side).
 template <bool kSideX>
 __device__ __forceinline__ void gram_grad(const Block& blk, float (&out)[1][ChunkAcc::NI][4], const SquareTile& dZ,
                                           const ChunkTile& X, const ChunkTile& Y) {
