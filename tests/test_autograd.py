@@ -165,6 +165,7 @@ GPU_CASES = {
     "bf16_gdn_bf16_state": dict(dtype=torch.bfloat16, gate="softplus", gdn=True, lens=[130, 64, 3],
                                 state_dtype=torch.bfloat16),
     "bf16_head_dim_64": dict(dtype=torch.bfloat16, gate="lower_bound", T=150, D=64),
+    "bf16_lower_bound_gva": dict(dtype=torch.bfloat16, gate="lower_bound", lens=[200, 37], HV=8),
 }
 
 
