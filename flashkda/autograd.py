@@ -391,8 +391,9 @@ def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.T
 
 def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V: int) -> Optional[str]:
     """Why the CUDA kernel pass (``chunk_local_grad``) cannot take this backward, or None. The gate
-    must keep every 16 consecutive tokens' log decay within the kernel's span: known from a lower
-    bound, else one look at the device (a synchronisation)."""
+    ``gp`` (preprocessed log decays, ``[B, T, HV, K]``, or ``[B, T, HV]`` for a scalar gate) must keep
+    every 16 consecutive tokens' log decay within the kernel's span: known from a lower bound, else
+    one look at the device (a synchronisation)."""
     if not qp.is_cuda:
         return "inputs not on a CUDA device"
     if not _ext.HAS_EXTENSION:
@@ -405,11 +406,17 @@ def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V:
     span = _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN
     if opts.use_gate_in_kernel and opts.lower_bound is not None and -opts.lower_bound * _SUB_CHUNK <= span:
         return None
-    T = gp.shape[1]
-    window = gp.unfold(1, _SUB_CHUNK, 1).sum(-1) if T >= _SUB_CHUNK else gp.sum(1, keepdim=True)
-    if window.numel() and not bool((window >= -span).all()):
+    if not _spans_within(gp, span):
         return f"log decays summing below -{span:g} over {_SUB_CHUNK} tokens"
     return None
+
+
+def _spans_within(gate: torch.Tensor, span: float) -> bool:
+    """Whether the log decays ``gate`` (tokens along dim 1) of any 16 consecutive tokens (all of
+    them, with fewer) sum to at least ``-span``; one read of the result (a synchronisation)."""
+    T = gate.shape[1]
+    window = gate.unfold(1, _SUB_CHUNK, 1).sum(-1) if T >= _SUB_CHUNK else gate.sum(1, keepdim=True)
+    return not window.numel() or bool((window >= -span).all())
 
 
 def _kernel_chunks(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -566,6 +573,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
         dtype=f32)
     group = HV // H
+    gate = gp  # the spans are checked on the gate as given: a scalar gate's are its head's
     if gp.dim() == 3:  # GDN: one decay per head for every key channel
         gp = gp[..., None].expand(B, T, HV, K)
     if group > 1:
@@ -577,7 +585,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     dS = q.new_zeros(N, HV, K, V, dtype=f32)
     if dht is not None:
         dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
-    why = _kernel_shortfall(opts, qp, gp, V)
+    why = _kernel_shortfall(opts, qp, gate, V)
     if why is None:
         dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do)
     else:

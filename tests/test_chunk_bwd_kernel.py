@@ -113,6 +113,18 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case):
             assert rel_err(a, b) <= 1e-5, f"d{name}: {rel_err(a, b):.2e}"  # both fp32 inside
 
 
+@pytest.mark.parametrize("shape", [(1, 40, 3), (2, 40, 3, 8), (1, 9, 2)], ids=["gdn", "kda", "short"])
+def test_spans_within(shape):
+    """The kernel path's gate check: any 16 consecutive tokens (all tokens when fewer) summing
+    below -span refuse it, however the gate is shaped (a scalar gate checked per head)."""
+    gate = torch.full(shape, -4.0)
+    span = 4.0 * min(16, shape[1])
+    assert ag._spans_within(gate, span)
+    gate[(0, shape[1] // 2) + (shape[2] - 1,) * (len(shape) - 2)] -= 0.5  # one token, one head
+    assert not ag._spans_within(gate, span)
+    assert ag._spans_within(gate, span + 0.5)
+
+
 def test_kernel_chunks_layout():
     """Chunk j * N + n is the j-th of sequence n; chunks past a sequence's end are empty."""
     bos, length, N, J = ag._kernel_chunks(1, 300, torch.tensor([0, 70, 70, 300]), None, "cpu")
