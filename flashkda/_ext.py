@@ -144,32 +144,36 @@ if HAS_EXTENSION:
     chunk_fwd_op = torch.ops.flashkda.chunk_fwd.default
     chunk_fwd_eager = _C.chunk_fwd
 
+    _smem_optin: dict = {}
+
+    def smem_per_block_optin(index: int):
+        """CUDA device ``index``'s opt-in shared memory per block (bytes), None when torch does not
+        report it; one properties query per device."""
+        if index not in _smem_optin:
+            _smem_optin[index] = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+        return _smem_optin[index]
+
     _chunk_smem_shortfall: dict = {}
 
     @torch.compiler.assume_constant_result
     def chunk_smem_shortfall(index: int):
         """Why CUDA device ``index`` cannot run the chunked kernels (too little shared memory per
-        block, e.g. sm_86 / sm_89), or None; one properties query per device, judged by the rule that
-        the eager fast entries apply too."""
+        block, e.g. sm_86 / sm_89), or None, judged by the rule that the eager fast entries apply too;
+        asked once per device (every prefill call reads it)."""
         if index not in _chunk_smem_shortfall:
-            have = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+            have = smem_per_block_optin(index)
             _chunk_smem_shortfall[index] = None if have is None else _C.chunk_smem_reason(have)
         return _chunk_smem_shortfall[index]
 
     chunk_local_grad_op = torch.ops.flashkda.chunk_local_grad.default
     chunk_state_scan_op = torch.ops.flashkda.chunk_state_scan.default
     CHUNK_BWD_MAX_SUBCHUNK_SPAN = _C.chunk_bwd_max_subchunk_span()
-    _chunk_bwd_shortfall: dict = {}
 
     def chunk_bwd_shortfall(index: int):
         """Why CUDA device ``index`` cannot run the chunked backward's kernel (it needs more shared
-        memory per block than sm_80 has), or None; one properties query per device."""
-        if index not in _chunk_bwd_shortfall:
-            have = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", 0)
-            need = _C.chunk_local_grad_smem_bytes()
-            _chunk_bwd_shortfall[index] = (None if have >= need else
-                                           f"{have} bytes of shared memory per block (the backward's kernel: {need})")
-        return _chunk_bwd_shortfall[index]
+        memory per block than sm_80 has), or None."""
+        have, need = smem_per_block_optin(index) or 0, _C.chunk_local_grad_smem_bytes()
+        return None if have >= need else f"{have} bytes of shared memory per block (the backward's kernel: {need})"
 
     @torch.library.register_fake("flashkda::chunk_fwd")
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,

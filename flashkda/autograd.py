@@ -138,22 +138,26 @@ def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu
     return [torch.empty_like(t) if needs >> i & 1 else q.new_empty(0) for i, t in enumerate(tensors)]
 
 
+def _sequence_spans(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(starts [N], lens [N], N, J)``: each sequence's first token row (of the ``B * T`` flattened
+    tokens) and length on the device, and ``J`` the longest one's chunk count. With ``cu_seqlens``,
+    ``J`` comes from ``cu_seqlens_cpu``, else from one read of ``cu_seqlens`` (a synchronisation)."""
+    if cu_seqlens is None:
+        starts = torch.arange(B, dtype=torch.long, device=device) * T
+        return starts, torch.full((B,), T, dtype=torch.long, device=device), B, -(-T // _CHUNK)
+    host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
+    J = max((-(-(b - a) // _CHUNK) for a, b in zip(host, host[1:])), default=0)
+    cu = cu_seqlens.to(device, torch.long)
+    return cu[:-1], cu[1:] - cu[:-1], len(host) - 1, J
+
+
 def _chunk_rows(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, int, int]:
     """``(rows [N, J * 64], N, J)``: the token row (of the ``B * T`` flattened tokens) at each position
-    of each sequence's chunks, ``B * T`` (a zero row) past the sequence's end; ``J`` is the longest
-    sequence's chunk count. Reads ``cu_seqlens`` on the host (from ``cu_seqlens_cpu`` when given)."""
-    if cu_seqlens is None:
-        J = -(-T // _CHUNK)
-        pos = torch.arange(J * _CHUNK, device=device)
-        rows = torch.arange(B, device=device)[:, None] * T + pos[None]
-        return torch.where(pos[None] < T, rows, B * T), B, J
-    host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
-    N = len(host) - 1
-    J = max((-(-(b - a) // _CHUNK) for a, b in zip(host, host[1:])), default=0)
-    starts = torch.tensor(host[:-1], dtype=torch.long, device=device)
-    lens = torch.tensor([b - a for a, b in zip(host, host[1:])], dtype=torch.long, device=device)
+    of each sequence's chunks, ``B * T`` (a zero row) past the sequence's end (see
+    :func:`_sequence_spans`)."""
+    starts, lens, N, J = _sequence_spans(B, T, cu_seqlens, cu_seqlens_cpu, device)
     pos = torch.arange(J * _CHUNK, device=device)
-    return torch.where(pos[None] < lens[:, None], starts[:, None] + pos[None], T), N, J
+    return torch.where(pos[None] < lens[:, None], starts[:, None] + pos[None], B * T), N, J
 
 
 def _suffix_sums(x: torch.Tensor) -> torch.Tensor:
@@ -421,18 +425,8 @@ def _spans_within(gate: torch.Tensor, span: float) -> bool:
 
 def _kernel_chunks(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
     """``(bos, len, N, J)`` of the kernel's chunks, chunk ``j * N + n`` the j-th of sequence n (empty
-    past its end), ``J`` chunks of the longest; built on the device. With ``cu_seqlens``, ``J``
-    comes from ``cu_seqlens_cpu``, else from one read of ``cu_seqlens`` (a synchronisation)."""
-    if cu_seqlens is None:
-        N, J = B, -(-T // _CHUNK)
-        starts = torch.arange(B, dtype=torch.long, device=device) * T
-        lens = torch.full((B,), T, dtype=torch.long, device=device)
-    else:
-        host = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
-        N = len(host) - 1
-        J = max((-(-(b - a) // _CHUNK) for a, b in zip(host, host[1:])), default=0)
-        cu = cu_seqlens.to(device, torch.long)
-        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    past its end), ``J`` chunks of the longest (see :func:`_sequence_spans`)."""
+    starts, lens, N, J = _sequence_spans(B, T, cu_seqlens, cu_seqlens_cpu, device)
     offset = torch.arange(J, dtype=torch.long, device=device)[:, None] * _CHUNK
     bos = (starts[None, :] + offset).reshape(-1)
     length = (lens[None, :] - offset).clamp(0, _CHUNK).reshape(-1).to(torch.int32)
@@ -460,8 +454,7 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     b32 = bp.reshape(rows, HV).to(f32).contiguous()
     dO = torch.zeros(rows, HV, V, dtype=f32, device=qp.device) if do is None else flat(do, V)
     if J == 0:  # no token: the initial state's gradient is the final state's
-        zeros = torch.zeros_like(q32).view(B, T, HV, K)
-        return zeros, zeros, zeros.clone(), zeros.clone(), b32.new_zeros(B, T, HV), dS.clone()
+        return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
     D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
     D, Bm, Y = (x.view(J, N * HV, K, x.shape[-1]) for x in (D, Bm, Y))
     (states,) = _ext.chunk_state_scan_op(D, Bm, S0.reshape(N * HV, K, V).contiguous(), False)
@@ -470,7 +463,8 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     del D, Y
     dS0 = dS0.view(N, HV, K, V)
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1,
-                                                  states.view(J * N, HV, K, V), nexts.view(J * N, HV, K, V))
+                                                  states.view(J * N, HV, K, V), nexts.view(J * N, HV, K, V),
+                                                  opts.cu_seqlens is None)  # without cu_seqlens, every token
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),
             db.view(B, T, HV), dS0)
 

@@ -604,11 +604,15 @@ def test_chunk_smem_shortfall(monkeypatch):
     for have, fits in ((227 * 1024, True), (need, True), (need - 1, False), (99 * 1024, False)):
         props = types.SimpleNamespace(shared_memory_per_block_optin=have)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
-        monkeypatch.setattr(_ext, "_chunk_smem_shortfall", {})  # the real cache stays untouched
+        for cache in ("_smem_optin", "_chunk_smem_shortfall"):  # the real caches stay untouched
+            monkeypatch.setattr(_ext, cache, {})
         reason = _ext.chunk_smem_shortfall(0)
         assert (reason is None) == fits, (have, reason)
         if not fits:
             assert f"{have} bytes of shared memory per block" in reason and str(need) in reason
+        # the backward's kernel needs more than the forward's: it also refuses the smaller devices
+        bwd = _ext.chunk_bwd_shortfall(0)
+        assert (bwd is None) == (have >= _ext._C.chunk_local_grad_smem_bytes()), (have, bwd)
 
 
 def test_chunk_kernel_reasons_and_gate_parameters():

@@ -21,7 +21,7 @@ def _chunk_index(bos: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Te
     return torch.where(pos[None] < length[:, None].long(), bos[:, None] + pos[None], rows)
 
 
-def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None):
+def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None, every_token=False):
     """What ``torch.ops.flashkda.chunk_local_grad`` computes, from flashkda.autograd's chunk math."""
     rows, HV, K = q.shape
     idx = _chunk_index(bos, length, rows)

@@ -29,12 +29,13 @@ void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bo
 
 // Pass 0 (transitions): returns [D, B, Y], each [chunks, HV, D, D] fp32. Pass 1 (gradients, with
 // `states` and `dstates` [chunks, HV, D, D] fp32): returns [dq, dk, dv, dg, dbeta] in the token
-// layout of the inputs (zeros for tokens in no chunk). Inputs: chunk_bwd_params.h.
+// layout of the inputs (zeros for tokens in no chunk; `every_token`: the chunks cover every token,
+// and nothing is zero-filled). Inputs: chunk_bwd_params.h.
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
                                          const std::optional<at::Tensor>& states,
-                                         const std::optional<at::Tensor>& dstates) {
+                                         const std::optional<at::Tensor>& dstates, bool every_token) {
   TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&dO, "dO"}})
     check_tokens(*t, q, name, true);
@@ -80,8 +81,12 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     p.pass = chunk_bwd::Pass::kGradients;
     p.states = states->data_ptr<float>();
     p.dstates = dstates->data_ptr<float>();
-    for (int i = 0; i < 4; ++i) out.push_back(at::zeros_like(q));
-    out.push_back(at::zeros_like(beta));
+    // Zeros only where some token may lie in no chunk (varlen); else the kernel writes every one.
+    const auto make = [every_token](const at::Tensor& like) {
+      return every_token ? at::empty_like(like) : at::zeros_like(like);
+    };
+    for (int i = 0; i < 4; ++i) out.push_back(make(q));
+    out.push_back(make(beta));
     p.dq = out[0].data_ptr<float>();
     p.dk = out[1].data_ptr<float>();
     p.dv = out[2].data_ptr<float>();

@@ -117,7 +117,7 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
                                          const std::optional<at::Tensor>& states,
-                                         const std::optional<at::Tensor>& dstates);
+                                         const std::optional<at::Tensor>& dstates, bool every_token);
 std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
                                          bool reverse);
 

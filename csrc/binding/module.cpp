@@ -28,7 +28,7 @@ TORCH_LIBRARY(flashkda, m) {
       "Tensor? chunk_state_slots=None, Tensor? ssm_state_indices=None, Tensor? has_initial_state=None) -> ()");
   m.def(
       "chunk_local_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor dO, Tensor chunk_bos, "
-      "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None) -> Tensor[]");
+      "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None, bool every_token=False) -> Tensor[]");
   m.def("chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, bool reverse) -> Tensor[]");
 }
 
