@@ -1,7 +1,7 @@
 """Training microbenchmarks: forward, and forward + backward, of the chunked prefill against FLA.
 
 bf16 q, k, v, g, beta (raw: l2norm, lower-bound gate -5 with safe_gate, and beta sigmoid in the
-kernel), A_log [H] and dt_bias [H, K] fp32, fp32 V-first initial state, final state requested; every
+kernel), A_log [H] and dt_bias [H * K] fp32 (FLA's documented shapes), fp32 V-first initial state, final state requested; every
 one of them requires grad. ``fwd_ms``: ``o, s = chunk_kda(...)``; ``fwd_bwd_ms``: that, then the
 gradients of every input from random ``do`` and ``ds`` (torch.autograd.grad); ``peak_mem_mb``: peak
 allocated during one forward + backward beyond what was allocated before it (inputs, upstream
@@ -45,7 +45,7 @@ def _inputs(lens, B, H, gdn=False, seed=0):
     else:
         kw.update(g=rnd(B, T, H, D), beta=rnd(B, T, H),
                   A_log=torch.rand(H, device="cuda", generator=gen).requires_grad_(),
-                  dt_bias=torch.rand(H, D, device="cuda", generator=gen).requires_grad_())
+                  dt_bias=torch.rand(H * D, device="cuda", generator=gen).requires_grad_())
     if len(lens) > 1:
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         kw.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
