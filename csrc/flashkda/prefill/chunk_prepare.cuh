@@ -384,6 +384,247 @@ __device__ __forceinline__ GateMode gate_mode(const ChunkParams& p) {
   return kGate == PrepareGate::kLowerBound16 ? GateMode::kLowerBound : p.gate_mode;
 }
 
+// The thread's indices as phases 2-5 use them (read again after phase 1: thread_index_again).
+struct ThreadIndex {
+  int tid, warp, lane, g8, t4;
+};
+// Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise, from the
+// operand tiles of phase 1: M to the record, A to amat (in ki).
+template <typename Elem, PrepareGate kGate>
+__device__ __forceinline__ void gram_blocks(const ChunkParams& p, PrepareSmem& s, const ThreadIndex& x, int wide_mask) {
+  const int tid = x.tid, warp = x.warp, g8 = x.g8, t4 = x.t4;
+  // Stage 1: every warp runs its block positions (block_position), M's blocks go to m_tile and
+  // A's stay in registers; stage 2 stores A (after the barrier, over the dead row tiles). Shared
+  // memory from here on:
+  //   ki (A rows): amat (sq_f32_index), then tinv_s (TriTile) after the off-diagonal inverse
+  //   qi (M rows): linv (sq_f32_index)
+  //   sub_table (dead): M's blocks on sm_90 (m_tile), then the off-diagonal inverse's scratch
+  //   kj (column operand): w_s (MatTile)
+  float* amat = reinterpret_cast<float*>(s.ki);
+  uint8_t* const mqk_out = m_tile(p, s);
+  const uint32_t kj_base = sm80::smem_u32(s.kj), qi_base = sm80::smem_u32(s.qi), ki_base = sm80::smem_u32(s.ki);
+  const bool pair_warp = warp < kDiagonalWarpsFirst;
+  const int positions = pair_warp ? 1 : 2;
+  float acc[2][2][4];  // A's block of each position
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
+    if (j >= positions) continue;
+    int a, b;
+    block_position(warp, j, a, b);
+    if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes both blocks
+    float acc_m[2][4] = {};
+    if (b == a) pair_block_product<false>(acc[j], acc_m, ki_base, qi_base, nullptr, kj_base, a, b);
+    else pair_block_product<true>(acc[j], acc_m, ki_base, qi_base, s.fac[pair_index(a, b)], kj_base, a, b);
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
+        *reinterpret_cast<uint32_t*>(mqk_out + TriTile::token_offset(i, jc)) =
+            sm80::pack2<Elem>(jc <= i ? acc_m[n][2 * hh] : 0.f, jc + 1 <= i ? acc_m[n][2 * hh + 1] : 0.f);
+      }
+  }
+  __syncthreads();  // the row tiles are dead
+  // Stage 2: A's blocks to amat (in ki), strictly lower triangle, times β of the row.
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    if (j >= positions) continue;
+    int a, b;
+    block_position(warp, j, a, b);
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
+        const float bi = s.beta[i];
+        *reinterpret_cast<float2*>(&amat[sq_f32_index(i, jc)]) =
+            make_float2(jc < i ? acc[j][n][2 * hh] * bi : 0.f, jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f);
+      }
+  }
+#ifdef FLASHKDA_BULK_COPY
+  sm90::fence_proxy_async();  // M's blocks in shared memory, for the copy engine
+#endif
+  __syncthreads();
+  if (kGate != PrepareGate::kLowerBound16 && wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
+    if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, warp, s, amat);
+#ifdef FLASHKDA_BULK_COPY
+    sm90::fence_proxy_async();
+#endif
+    __syncthreads();
+  }
+#ifdef FLASHKDA_BULK_COPY
+  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kMqk, mqk_out, uint32_t(TriTile::kBytes));
+#endif
+}
+
+// Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16, into tinv_s (in ki) and the record.
+template <typename Elem>
+__device__ __forceinline__ void inverse_blocks(const ChunkParams& p, PrepareSmem& s, const ThreadIndex& x, uint8_t* rec) {
+  const int tid = x.tid, warp = x.warp, lane = x.lane;
+  float* amat = reinterpret_cast<float*>(s.ki);
+  float* linv = reinterpret_cast<float*>(s.qi);
+  uint8_t* tinv_s = s.ki;
+  float* scratch = &s.sub_table[0][0][0];
+  if (warp < kSubChunks) {
+    if (lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
+      // sq_f32_index(16 a + i, 16 a + l) = (16 a + i) 64 + 16 (a ^ (m >> 4)) + (l ^ (m & 15)) with
+      // m = 4 (i & 7): from one of two bases per block, at offsets that are constants once i and l
+      // are unrolled.
+      static_assert(kSubChunk == 16 && kChunk == 64, "the folded sq_f32_index below");
+      const int a = warp, j = lane;
+      const int at[2] = {a * kSubChunk * kChunk + kSubChunk * a, a * kSubChunk * kChunk + kSubChunk * (a ^ 1)};
+      float x[kSubChunk];
+#pragma unroll
+      for (int i = 0; i < kSubChunk; ++i) {
+        const int m = (i & 7) << 2;
+        float accv = i == j ? 1.f : 0.f;
+#pragma unroll
+        for (int l = 0; l < i; ++l) accv -= amat[at[m >> 4] + i * kChunk + (l ^ (m & 15))] * x[l];
+        x[i] = accv;
+        linv[at[m >> 4] + i * kChunk + (j ^ (m & 15))] = accv;
+      }
+    }
+  }
+#ifdef FLASHKDA_BULK_COPY
+  if (tid == 0) {  // the scratch below overwrites M's blocks: the engine must have read them
+    sm90::bulk_commit();
+    sm90::bulk_wait_read<0>();
+  }
+#endif
+  __syncthreads();
+  // Off-diagonal blocks, one warp per block column b (columns are independent):
+  //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
+  // as 16x16x16 products on the tf32 tensor cores.
+  if (warp < kSubChunks - 1) {
+    const int b = warp;
+    const PlainF32 scr{scratch + warp * kSubChunk * kScratchStride, kScratchStride};
+    for (int a = b + 1; a < kSubChunks; ++a) {
+      float acc2[2][4] = {};
+      for (int cc = b; cc < a; ++cc)
+        block_product_tf32(acc2, SqF32{amat, a * kSubChunk, cc * kSubChunk}, SqF32{linv, cc * kSubChunk, b * kSubChunk});
+      store_block(scr, acc2, 1.f);
+      __syncwarp();
+      float acc3[2][4] = {};
+      block_product_tf32(acc3, SqF32{linv, a * kSubChunk, a * kSubChunk}, scr);
+      store_block(SqF32{linv, a * kSubChunk, b * kSubChunk}, acc3, -1.f);
+      __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
+    }
+  }
+  __syncthreads();
+  // T = L diag(β), its blocks on and below the diagonal (TriTile), 16 bytes per store into shared
+  // memory (phase 4) and the record (sm_80; on sm_90 the copy engine copies the tile).
+  // Under sq_f32_index's XOR (bits 2-4 of the column) a row's columns 8 ch .. 8 ch + 7 stay one
+  // 32-byte group: bits 3-4 move the group, bit 2 swaps its halves. Two 16-byte loads of L per row
+  // piece; β's two once per thread.
+  static_assert(kPrepareThreads % (kChunk / 8) == 0, "a thread keeps its column piece (and β) in every iteration");
+  const int ch = tid % (kChunk / 8);
+  const float4 b0 = *reinterpret_cast<const float4*>(&s.beta[8 * ch]);
+  const float4 b1 = *reinterpret_cast<const float4*>(&s.beta[8 * ch + 4]);
+  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
+    const int i = e / (kChunk / 8);
+    if (8 * ch / kSubChunk > i / kSubChunk) continue;  // a zero block: not in the TriTile
+    const int flip = (i & 7) << 2;
+    const float* group = linv + i * kChunk + 8 * (ch ^ (flip >> 3));
+    const float4 lo = *reinterpret_cast<const float4*>(group + (flip & 4));
+    const float4 hi = *reinterpret_cast<const float4*>(group + (4 - (flip & 4)));
+    const float l[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+    float x[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) x[m] = 8 * ch + m <= i ? l[m] * b[m] : 0.f;
+    const uint4 packed = pack8<Elem>(x);
+    *reinterpret_cast<uint4*>(tinv_s + TriTile::token_chunk_offset(i, ch)) = packed;
+#ifndef FLASHKDA_BULK_COPY
+    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + TriTile::token_chunk_offset(i, ch)) = packed;
+#endif
+  }
+#ifdef FLASHKDA_BULK_COPY
+  // sm_90: the copy engine moves T (tinv_s is the record's image) and later w to the record. Both
+  // tiles stay untouched to the end, where the issuing thread waits for the engine's reads; the
+  // load / store path stays free for the other warps' shared-memory traffic.
+  sm90::fence_proxy_async();
+  __syncthreads();
+  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kTinv, tinv_s, uint32_t(TriTile::kBytes));
+#else
+  __syncthreads();
+#endif
+}
+
+// Phase 4: w = T (k e^{Γ}) into w_s (in kj).
+template <typename Elem>
+__device__ __forceinline__ void w_product(PrepareSmem& s, const ThreadIndex& x) {
+  const int warp = x.warp, lane = x.lane, g8 = x.g8, t4 = x.t4;
+  uint8_t* tinv_s = s.ki;
+  uint8_t* w_s = s.kj;
+  // Warp w: key columns 32 (w % 4) .. +31 of row blocks {3, 0} (w < 4) or {2, 1}: row block a
+  // takes a + 1 products (T is lower triangular), so every warp runs five.
+  {
+    const int quarter = warp % 4, pairing = warp / 4;
+    const uint32_t t_base = sm80::smem_u32(tinv_s), kt_base = sm80::smem_u32(s.kt);
+    static_assert(kSubChunks == 4 && kPrepareThreads == 256, "phase 4 splits four row blocks over eight warps");
+    // MatTile::offset(record_row(16 a) + g8 + 8 hh, 32 quarter + 8 n + 2 t4) (w in the record's
+    // token order), taken apart: the panel and the lane's row and column once, the swizzled chunk
+    // (4 (quarter & 1) + n) ^ g8 per n, and the row block and hh as constants.
+    static_assert(MatTile::kPanelBytes == kChunk * 128 && kHeadDim == 128, "the w store offsets below");
+    const int w_lane = (quarter >> 1) * MatTile::kPanelBytes + g8 * 128 + 4 * t4;
+    const int w_swz = (4 * (quarter & 1)) ^ g8;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int a = r == 0 ? kSubChunks - 1 - pairing : pairing;
+      float accw[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) accw[n][e] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < kSubChunks; ++kc) {  // kc <= a (unrolled: the tile offsets fold into constants)
+        if (kc > a) break;
+        uint32_t af[4];
+        sm80::ldmatrix_x4(af, t_base + TriTile::token_chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                            2 * kc + (lane >> 4)));
+#pragma unroll
+        for (int dp = 0; dp < 2; ++dp) {
+          uint32_t bf[4];
+          sm80::ldmatrix_x4_trans(bf, kt_base + MatTile::chunk_offset(kc * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                                      4 * quarter + 2 * dp + (lane >> 4)));
+          sm80::mma_16816<Elem>(accw[2 * dp], af, bf[0], bf[1]);
+          sm80::mma_16816<Elem>(accw[2 * dp + 1], af, bf[2], bf[3]);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          *reinterpret_cast<uint32_t*>(w_s + w_lane + (record_row(a * kSubChunk) + 8 * hh) * 128 + ((w_swz ^ n) << 4)) =
+              sm80::pack2<Elem>(accw[n][2 * hh], accw[n][2 * hh + 1]);
+        }
+    }
+  }
+#ifdef FLASHKDA_BULK_COPY
+  sm90::fence_proxy_async();
+#endif
+  __syncthreads();
+}
+
+// Phase 5: w to the record (same swizzled layout).
+__device__ __forceinline__ void w_to_record(const ChunkParams& p, PrepareSmem& s, int tid, uint8_t* rec) {
+  uint8_t* w_s = s.kj;
+#ifdef FLASHKDA_BULK_COPY
+  if (tid == 0) {
+    sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kW, w_s, uint32_t(WorkspaceLayout::kMatBytes));
+    sm90::bulk_commit();
+    sm90::bulk_wait_read<0>();  // the block's shared memory outlives the engine's reads of T and w
+  }
+#else
+  for (int e = tid; e < kChunk * kHeadDim * 2 / 16; e += kPrepareThreads)
+    reinterpret_cast<uint4*>(rec + WorkspaceLayout::kW)[e] = reinterpret_cast<const uint4*>(w_s)[e];
+#endif
+}
+
 template <typename Elem, PrepareGate kGate>
 __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) chunk_prepare_kernel(const ChunkParams p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -737,224 +978,11 @@ __global__ void __launch_bounds__(kPrepareThreads, FLASHKDA_PREPARE_MIN_BLOCKS) 
   const int wide_mask = s.wide_mask;
   tid = thread_index_again(), warp = tid >> 5, lane = tid & 31, g8 = lane >> 2, t4 = lane & 3;
 
-  // ---- Phase 2: A = diag(β) (k e^{Γ})(k e^{−Γ})ᵀ and M = (q e^{Γ})(k e^{−Γ})ᵀ, blockwise -------
-  // Stage 1: every warp runs its block positions (block_position), M's blocks go to m_tile and
-  // A's stay in registers; stage 2 stores A (after the barrier, over the dead row tiles). Shared
-  // memory from here on:
-  //   ki (A rows): amat (sq_f32_index), then tinv_s (TriTile) after the off-diagonal inverse
-  //   qi (M rows): linv (sq_f32_index)
-  //   sub_table (dead): M's blocks on sm_90 (m_tile), then the off-diagonal inverse's scratch
-  //   kj (column operand): w_s (MatTile)
-  float* amat = reinterpret_cast<float*>(s.ki);
-  float* linv = reinterpret_cast<float*>(s.qi);
-  uint8_t* tinv_s = s.ki;
-  float* scratch = &s.sub_table[0][0][0];
-  uint8_t* w_s = s.kj;
-  uint8_t* const mqk_out = m_tile(p, s);
-  const uint32_t kj_base = sm80::smem_u32(s.kj), qi_base = sm80::smem_u32(s.qi), ki_base = sm80::smem_u32(s.ki);
-  const bool pair_warp = warp < kDiagonalWarpsFirst;
-  const int positions = pair_warp ? 1 : 2;
-  float acc[2][2][4];  // A's block of each position
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.f;
-    if (j >= positions) continue;
-    int a, b;
-    block_position(warp, j, a, b);
-    if (b == a && (wide_mask >> a & 1)) continue;  // exact_diagonal_block writes both blocks
-    float acc_m[2][4] = {};
-    if (b == a) pair_block_product<false>(acc[j], acc_m, ki_base, qi_base, nullptr, kj_base, a, b);
-    else pair_block_product<true>(acc[j], acc_m, ki_base, qi_base, s.fac[pair_index(a, b)], kj_base, a, b);
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
-        *reinterpret_cast<uint32_t*>(mqk_out + TriTile::token_offset(i, jc)) =
-            sm80::pack2<Elem>(jc <= i ? acc_m[n][2 * hh] : 0.f, jc + 1 <= i ? acc_m[n][2 * hh + 1] : 0.f);
-      }
-  }
-  __syncthreads();  // the row tiles are dead
-  // Stage 2: A's blocks to amat (in ki), strictly lower triangle, times β of the row.
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    if (j >= positions) continue;
-    int a, b;
-    block_position(warp, j, a, b);
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = a * kSubChunk + g8 + 8 * hh, jc = b * kSubChunk + 8 * n + 2 * t4;
-        const float bi = s.beta[i];
-        *reinterpret_cast<float2*>(&amat[sq_f32_index(i, jc)]) =
-            make_float2(jc < i ? acc[j][n][2 * hh] * bi : 0.f, jc + 1 < i ? acc[j][n][2 * hh + 1] * bi : 0.f);
-      }
-  }
-#ifdef FLASHKDA_BULK_COPY
-  sm90::fence_proxy_async();  // M's blocks in shared memory, for the copy engine
-#endif
-  __syncthreads();
-  if (kGate != PrepareGate::kLowerBound16 && wide_mask != 0) {  // rare (block-uniform): exact diagonal blocks
-    if (warp < kSubChunks && (wide_mask >> warp & 1)) exact_diagonal_block<Elem>(p, warp, s, amat);
-#ifdef FLASHKDA_BULK_COPY
-    sm90::fence_proxy_async();
-#endif
-    __syncthreads();
-  }
-#ifdef FLASHKDA_BULK_COPY
-  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kMqk, mqk_out, uint32_t(TriTile::kBytes));
-#endif
-
-  // ---- Phase 3: T = (I + A)⁻¹ diag(β), by blocks of 16 --------------------------------------
-  if (warp < kSubChunks) {
-    if (lane < kSubChunk) {  // diagonal blocks: column `lane` of (I + A_aa)⁻¹
-      // sq_f32_index(16 a + i, 16 a + l) = (16 a + i) 64 + 16 (a ^ (m >> 4)) + (l ^ (m & 15)) with
-      // m = 4 (i & 7): from one of two bases per block, at offsets that are constants once i and l
-      // are unrolled.
-      static_assert(kSubChunk == 16 && kChunk == 64, "the folded sq_f32_index below");
-      const int a = warp, j = lane;
-      const int at[2] = {a * kSubChunk * kChunk + kSubChunk * a, a * kSubChunk * kChunk + kSubChunk * (a ^ 1)};
-      float x[kSubChunk];
-#pragma unroll
-      for (int i = 0; i < kSubChunk; ++i) {
-        const int m = (i & 7) << 2;
-        float accv = i == j ? 1.f : 0.f;
-#pragma unroll
-        for (int l = 0; l < i; ++l) accv -= amat[at[m >> 4] + i * kChunk + (l ^ (m & 15))] * x[l];
-        x[i] = accv;
-        linv[at[m >> 4] + i * kChunk + (j ^ (m & 15))] = accv;
-      }
-    }
-  }
-#ifdef FLASHKDA_BULK_COPY
-  if (tid == 0) {  // the scratch below overwrites M's blocks: the engine must have read them
-    sm90::bulk_commit();
-    sm90::bulk_wait_read<0>();
-  }
-#endif
-  __syncthreads();
-  // Off-diagonal blocks, one warp per block column b (columns are independent):
-  //   L[a, b] = −L[a, a] · Σ_{c=b}^{a−1} A[a, c] L[c, b],   a = b+1 .. 3, in order,
-  // as 16x16x16 products on the tf32 tensor cores.
-  if (warp < kSubChunks - 1) {
-    const int b = warp;
-    const PlainF32 scr{scratch + warp * kSubChunk * kScratchStride, kScratchStride};
-    for (int a = b + 1; a < kSubChunks; ++a) {
-      float acc2[2][4] = {};
-      for (int cc = b; cc < a; ++cc)
-        block_product_tf32(acc2, SqF32{amat, a * kSubChunk, cc * kSubChunk}, SqF32{linv, cc * kSubChunk, b * kSubChunk});
-      store_block(scr, acc2, 1.f);
-      __syncwarp();
-      float acc3[2][4] = {};
-      block_product_tf32(acc3, SqF32{linv, a * kSubChunk, a * kSubChunk}, scr);
-      store_block(SqF32{linv, a * kSubChunk, b * kSubChunk}, acc3, -1.f);
-      __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
-    }
-  }
-  __syncthreads();
-  // T = L diag(β), its blocks on and below the diagonal (TriTile), 16 bytes per store into shared
-  // memory (phase 4) and the record (sm_80; on sm_90 the copy engine copies the tile).
-  // Under sq_f32_index's XOR (bits 2-4 of the column) a row's columns 8 ch .. 8 ch + 7 stay one
-  // 32-byte group: bits 3-4 move the group, bit 2 swaps its halves. Two 16-byte loads of L per row
-  // piece; β's two once per thread.
-  static_assert(kPrepareThreads % (kChunk / 8) == 0, "a thread keeps its column piece (and β) in every iteration");
-  const int ch = tid % (kChunk / 8);
-  const float4 b0 = *reinterpret_cast<const float4*>(&s.beta[8 * ch]);
-  const float4 b1 = *reinterpret_cast<const float4*>(&s.beta[8 * ch + 4]);
-  for (int e = tid; e < kChunk * (kChunk / 8); e += kPrepareThreads) {
-    const int i = e / (kChunk / 8);
-    if (8 * ch / kSubChunk > i / kSubChunk) continue;  // a zero block: not in the TriTile
-    const int flip = (i & 7) << 2;
-    const float* group = linv + i * kChunk + 8 * (ch ^ (flip >> 3));
-    const float4 lo = *reinterpret_cast<const float4*>(group + (flip & 4));
-    const float4 hi = *reinterpret_cast<const float4*>(group + (4 - (flip & 4)));
-    const float l[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
-    float x[8];
-#pragma unroll
-    for (int m = 0; m < 8; ++m) x[m] = 8 * ch + m <= i ? l[m] * b[m] : 0.f;
-    const uint4 packed = pack8<Elem>(x);
-    *reinterpret_cast<uint4*>(tinv_s + TriTile::token_chunk_offset(i, ch)) = packed;
-#ifndef FLASHKDA_BULK_COPY
-    *reinterpret_cast<uint4*>(rec + WorkspaceLayout::kTinv + TriTile::token_chunk_offset(i, ch)) = packed;
-#endif
-  }
-#ifdef FLASHKDA_BULK_COPY
-  // sm_90: the copy engine moves T (tinv_s is the record's image) and later w to the record. Both
-  // tiles stay untouched to the end, where the issuing thread waits for the engine's reads; the
-  // load / store path stays free for the other warps' shared-memory traffic.
-  sm90::fence_proxy_async();
-  __syncthreads();
-  if (tid == 0) sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kTinv, tinv_s, uint32_t(TriTile::kBytes));
-#else
-  __syncthreads();
-#endif
-
-  // ---- Phase 4: w = T (k e^{Γ}) --------------------------------------------------------------
-  // Warp w: key columns 32 (w % 4) .. +31 of row blocks {3, 0} (w < 4) or {2, 1}: row block a
-  // takes a + 1 products (T is lower triangular), so every warp runs five.
-  {
-    const int quarter = warp % 4, pairing = warp / 4;
-    const uint32_t t_base = sm80::smem_u32(tinv_s), kt_base = sm80::smem_u32(s.kt);
-    static_assert(kSubChunks == 4 && kPrepareThreads == 256, "phase 4 splits four row blocks over eight warps");
-    // MatTile::offset(record_row(16 a) + g8 + 8 hh, 32 quarter + 8 n + 2 t4) (w in the record's
-    // token order), taken apart: the panel and the lane's row and column once, the swizzled chunk
-    // (4 (quarter & 1) + n) ^ g8 per n, and the row block and hh as constants.
-    static_assert(MatTile::kPanelBytes == kChunk * 128 && kHeadDim == 128, "the w store offsets below");
-    const int w_lane = (quarter >> 1) * MatTile::kPanelBytes + g8 * 128 + 4 * t4;
-    const int w_swz = (4 * (quarter & 1)) ^ g8;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int a = r == 0 ? kSubChunks - 1 - pairing : pairing;
-      float accw[4][4];
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) accw[n][e] = 0.f;
-#pragma unroll
-      for (int kc = 0; kc < kSubChunks; ++kc) {  // kc <= a (unrolled: the tile offsets fold into constants)
-        if (kc > a) break;
-        uint32_t af[4];
-        sm80::ldmatrix_x4(af, t_base + TriTile::token_chunk_offset(a * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                            2 * kc + (lane >> 4)));
-#pragma unroll
-        for (int dp = 0; dp < 2; ++dp) {
-          uint32_t bf[4];
-          sm80::ldmatrix_x4_trans(bf, kt_base + MatTile::chunk_offset(kc * kSubChunk + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                                                      4 * quarter + 2 * dp + (lane >> 4)));
-          sm80::mma_16816<Elem>(accw[2 * dp], af, bf[0], bf[1]);
-          sm80::mma_16816<Elem>(accw[2 * dp + 1], af, bf[2], bf[3]);
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          *reinterpret_cast<uint32_t*>(w_s + w_lane + (record_row(a * kSubChunk) + 8 * hh) * 128 + ((w_swz ^ n) << 4)) =
-              sm80::pack2<Elem>(accw[n][2 * hh], accw[n][2 * hh + 1]);
-        }
-    }
-  }
-#ifdef FLASHKDA_BULK_COPY
-  sm90::fence_proxy_async();
-#endif
-  __syncthreads();
-
-  // ---- Phase 5: w to the record (same swizzled layout) ---------------------------------------
-#ifdef FLASHKDA_BULK_COPY
-  if (tid == 0) {
-    sm90::bulk_copy_to_global(block_record(p) + WorkspaceLayout::kW, w_s, uint32_t(WorkspaceLayout::kMatBytes));
-    sm90::bulk_commit();
-    sm90::bulk_wait_read<0>();  // the block's shared memory outlives the engine's reads of T and w
-  }
-#else
-  for (int e = tid; e < kChunk * kHeadDim * 2 / 16; e += kPrepareThreads)
-    reinterpret_cast<uint4*>(rec + WorkspaceLayout::kW)[e] = reinterpret_cast<const uint4*>(w_s)[e];
-#endif
+  const ThreadIndex x{tid, warp, lane, g8, t4};
+  gram_blocks<Elem, kGate>(p, s, x, wide_mask);  // phase 2
+  inverse_blocks<Elem>(p, s, x, rec);            // phase 3
+  w_product<Elem>(s, x);                         // phase 4
+  w_to_record(p, s, tid, rec);                   // phase 5
 }
 
 template <typename Elem, PrepareGate kGate>
