@@ -20,3 +20,7 @@ CHUNK_HEAD_DIM = 128
 #: Tokens per chunk of the chunked kernels (``chunk::kChunk``): the states of
 #: ``return_intermediate_states`` and of prefill checkpoints are those at multiples of it.
 CHUNK_STATE_TOKENS = 64
+
+#: How the log decay is obtained from g (csrc/flashkda/common/recurrent_params.h, GateMode): g as
+#: given, ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``, ``-exp(A_log) * softplus(g + dt_bias)``.
+GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = 0, 1, 2

@@ -167,6 +167,8 @@ if HAS_EXTENSION:
 
     chunk_local_grad_op = torch.ops.flashkda.chunk_local_grad.default
     chunk_state_scan_op = torch.ops.flashkda.chunk_state_scan.default
+    chunk_bwd_inputs_op = torch.ops.flashkda.chunk_bwd_inputs.default
+    chunk_bwd_input_grads_op = torch.ops.flashkda.chunk_bwd_input_grads.default
     CHUNK_BWD_MAX_SUBCHUNK_SPAN = _C.chunk_bwd_max_subchunk_span()
 
     def chunk_bwd_shortfall(index: int):

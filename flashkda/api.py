@@ -30,8 +30,7 @@ _KERNEL_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_TYPES = (torch.float32, torch.bfloat16, torch.float64)
 _INDEX_TYPES = (torch.int32, torch.int64)
 
-# Gate modes of the kernels; values match flashkda::GateMode in csrc/flashkda/common/recurrent_params.h.
-GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = 0, 1, 2
+GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = C.GATE_PRECOMPUTED, C.GATE_LOWER_BOUND, C.GATE_SOFTPLUS
 
 #: ``flashkda._C.fused_recurrent`` (None without the extension): the public ``fused_recurrent_*``
 #: arguments, positional, plus ``scalar_gate``. It applies every rule of :func:`_validate` and

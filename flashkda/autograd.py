@@ -9,7 +9,8 @@ norm, GVA sums, the initial state in its own layout and dtype).
 The backward splits the recurrence at 64-token chunks (the layout of the kernels'
 ``return_intermediate_states``); the state is the only coupling between chunks:
 
-1. the per-token preprocessing of the raw inputs (:func:`flashkda.reference.preprocess`, fp32);
+1. the per-token preprocessing of the raw inputs, fp32 (on CUDA the per-token kernel
+   ``chunk_bwd_inputs``, one pass over them; else :func:`flashkda.reference.preprocess`);
 2. every chunk's local quantities: the decay factors, the decayed Gram matrices
    ``M = tril(q kᵀ ⊙ e^{Γi−Γj})`` and ``A = strict_tril(k kᵀ ⊙ e^{Γi−Γj})``,
    ``T = (I + diag(β) A)⁻¹ diag(β)``, ``w = T (k e^Γ)``, ``u = T v``, ``q e^Γ``, ``kd = k e^{Γ_C−Γ}``
@@ -19,7 +20,9 @@ The backward splits the recurrence at 64-token chunks (the layout of the kernels
    final state's gradient; the first is the initial state's), two scans over chunks;
 4. every chunk's gradients at once from ``dO`` and its next state's gradient, the states held
    constant;
-5. back through GVA and the preprocessing (:func:`_preprocess_grads`).
+5. back through GVA and the preprocessing (on CUDA the per-token kernel ``chunk_bwd_input_grads``,
+   which writes each gradient in its input's dtype and the gate parameters' sums per tile of
+   tokens; else :func:`_preprocess_grads`).
 
 Steps 2-4 run on the CUDA kernels (:func:`_kernel_backward`: ``chunk_local_grad``'s two passes and
 ``chunk_state_scan``, bf16 tensor-core products with fp32 accumulation) where they serve (sm_90,
@@ -552,6 +555,33 @@ def _torch_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     return tokens(dqc), tokens(dkc), tokens(dvc), tokens(dgc), tokens(dbc[..., None])[..., 0], dS0
 
 
+def _token_kernels_serve(q, k, v, g, beta, A_log, dt_bias) -> bool:
+    """Whether the per-token CUDA kernels (``chunk_bwd_inputs`` / ``chunk_bwd_input_grads``) take the
+    preprocessing and its gradients: CUDA inputs, the kernels' head dim, dtypes they read."""
+    return (q.is_cuda and _ext.HAS_EXTENSION and q.shape[-1] == C.CHUNK_HEAD_DIM and v.shape[-1] == C.CHUNK_HEAD_DIM
+            and q.dtype == k.dtype and all(t is None or t.dtype in _KERNEL_FLOATS for t in (q, g, beta, A_log, dt_bias)))
+
+
+_KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the per-token kernels read rows of 128 channels (16-byte aligned, strides of whole
+    groups of four), else a contiguous copy."""
+    ok = x.stride(-1) == 1 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0
+    return x if ok else x.contiguous()
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+
+
+def _gate_mode(opts: ChunkOptions) -> int:
+    if not opts.use_gate_in_kernel:
+        return C.GATE_PRECOMPUTED
+    return C.GATE_SOFTPLUS if opts.lower_bound is None else C.GATE_LOWER_BOUND
+
+
 def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
     """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
     (None for an input that needs none), each in its input's shape and dtype, from the gradients
@@ -561,17 +591,27 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     HV, V = v.shape[2], v.shape[3]
     f32 = torch.float32
     gate_A, gate_dt = (A_log, dt_bias) if opts.use_gate_in_kernel else (None, None)
-    qp, kp, gp, bp = preprocess(
-        q, k, g, beta, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=opts.use_gate_in_kernel, A_log=gate_A, dt_bias=gate_dt, lower_bound=opts.lower_bound,
-        use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
-        dtype=f32)
     group = HV // H
-    gate = gp  # the spans are checked on the gate as given: a scalar gate's are its head's
-    if gp.dim() == 3:  # GDN: one decay per head for every key channel
-        gp = gp[..., None].expand(B, T, HV, K)
-    if group > 1:
-        qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
+    tokens = _token_kernels_serve(q, k, v, g, beta, gate_A, gate_dt)
+    if tokens:  # one pass over the raw inputs on the GPU, q̂ and k̂ per value head
+        raw = (_rows_aligned(q), _rows_aligned(k), v, _rows_aligned(g) if g.dim() == 4 else _last_dim_contiguous(g),
+               _last_dim_contiguous(beta), None if gate_A is None else gate_A.contiguous(),
+               None if gate_dt is None else gate_dt.contiguous())
+        flags = (opts.scale, _gate_mode(opts), opts.lower_bound if opts.lower_bound is not None else 0.0,
+                 opts.use_qk_l2norm_in_kernel, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
+        qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
+        gate = gp[..., 0] if g.dim() == 3 else gp  # a scalar gate's spans are its head's
+    else:
+        qp, kp, gp, bp = preprocess(
+            q, k, g, beta, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=opts.use_gate_in_kernel, A_log=gate_A, dt_bias=gate_dt, lower_bound=opts.lower_bound,
+            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
+            dtype=f32)
+        gate = gp  # the spans are checked on the gate as given: a scalar gate's are its head's
+        if gp.dim() == 3:  # GDN: one decay per head for every key channel
+            gp = gp[..., None].expand(B, T, HV, K)
+        if group > 1:
+            qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
     N = B if opts.cu_seqlens is None else opts.cu_seqlens.shape[0] - 1
     S0 = q.new_zeros(N, HV, K, V, dtype=f32)
     if initial_state is not None:
@@ -585,11 +625,18 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     else:
         _ext.log.debug("flashkda: chunked backward on PyTorch (%s)", why)
         dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do)
-    if group > 1:  # GVA: the heads that share q and k add up
-        dq, dk = (x.view(B, T, H, group, K).sum(3) for x in (dq, dk))
-    if g.dim() == 3:
-        dgp = dgp.sum(-1)
-    dq, dk, dg, dbeta, dA_log, ddt_bias = _preprocess_grads(opts, q, k, g, beta, gate_A, gate_dt, dq, dk, dgp, dbp)
+    if tokens:
+        dq, dk, dg, dbeta, dA_part, ddt_part = _ext.chunk_bwd_input_grads_op(
+            *raw, dq.contiguous(), dk.contiguous(), dgp.contiguous(), dbp.contiguous(), *flags)
+        dA_log = None if gate_A is None else dA_part.sum(0).reshape(gate_A.shape)
+        ddt_bias = None if gate_dt is None else ddt_part.sum(0).reshape(gate_dt.shape)
+    else:
+        if group > 1:  # GVA: the heads that share q and k add up
+            dq, dk = (x.view(B, T, H, group, K).sum(3) for x in (dq, dk))
+        if g.dim() == 3:
+            dgp = dgp.sum(-1)
+        dq, dk, dg, dbeta, dA_log, ddt_bias = _preprocess_grads(opts, q, k, g, beta, gate_A, gate_dt, dq, dk, dgp,
+                                                                dbp)
     dh0 = None if initial_state is None else (dS0.transpose(-1, -2) if opts.state_v_first else dS0)
     found = (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)
     return tuple(None if t is None or not n or gr is None else gr.to(t.dtype)

@@ -518,8 +518,8 @@ def test_cuda_constants_match_python():
     params = (ROOT / "csrc" / "flashkda" / "common" / "recurrent_params.h").read_text()
     from flashkda import api
 
-    for name, value in (("kPrecomputed", api.GATE_PRECOMPUTED), ("kLowerBound", api.GATE_LOWER_BOUND),
-                        ("kSoftplus", api.GATE_SOFTPLUS)):
+    for name, value in (("kPrecomputed", C.GATE_PRECOMPUTED), ("kLowerBound", C.GATE_LOWER_BOUND),
+                        ("kSoftplus", C.GATE_SOFTPLUS)):
         assert re.search(rf"{name} = {value},", params)
     chunk = (ROOT / "csrc" / "flashkda" / "prefill" / "chunk_params.h").read_text()
     assert int(re.search(r"constexpr int kHeadDim = (\d+);", chunk).group(1)) == C.CHUNK_HEAD_DIM

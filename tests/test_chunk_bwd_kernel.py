@@ -1,15 +1,18 @@
-"""The chunked backward's kernels: both passes of ``chunk_local_grad`` and both scans of
-``chunk_state_scan`` against PyTorch references of the same math (fp64, on the GPU), and the
-backward built on them (``flashkda.autograd._kernel_backward``: chunk layout, scans, GVA) against
-the PyTorch backward, on the CPU with the references standing in for the kernels."""
+"""The chunked backward's kernels: both passes of ``chunk_local_grad``, both scans of
+``chunk_state_scan`` and the per-token passes (``chunk_bwd_inputs``, ``chunk_bwd_input_grads``)
+against PyTorch references of the same math (on the GPU), and the backward built on them
+(``flashkda.autograd``: chunk layout, scans, GVA, the per-token glue) against the PyTorch backward,
+on the CPU with the references standing in for the kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from flashkda import _constants as C
 from flashkda import _ext
 from flashkda import autograd as ag
+from flashkda.reference import preprocess
 from helpers import GRAD_INPUTS, HAS_CUDA_KERNELS, make_inputs, rel_err
 
 CHUNK = ag._CHUNK
@@ -64,6 +67,41 @@ def state_scan_reference(maps, offsets, start, reverse):
     return [out, maps[0].transpose(-1, -2) @ out[0] + offsets[0]]
 
 
+def _ref_options(scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval) -> ag.ChunkOptions:
+    return ag.ChunkOptions(scale, l2norm, gate_mode != C.GATE_PRECOMPUTED,
+                           lower_bound if gate_mode == C.GATE_LOWER_BOUND else None, beta_sigmoid, allow_neg_eigval,
+                           False, None, None)
+
+
+def token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags):
+    """What ``torch.ops.flashkda.chunk_bwd_inputs`` computes (chunk_bwd_params.h), in fp32."""
+    o = _ref_options(*flags)
+    qp, kp, gp, bp = preprocess(q, k, g, beta, scale=o.scale, use_qk_l2norm_in_kernel=o.use_qk_l2norm_in_kernel,
+                                use_gate_in_kernel=o.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                                lower_bound=o.lower_bound, use_beta_sigmoid_in_kernel=o.use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval=o.allow_neg_eigval, dtype=torch.float32)
+    group = v.shape[2] // q.shape[2]
+    if gp.dim() == 3:
+        gp = gp[..., None].expand(*gp.shape, q.shape[-1])
+    return [qp.repeat_interleave(group, 2), kp.repeat_interleave(group, 2), gp.contiguous(), bp]
+
+
+def token_grads_reference(q, k, v, g, beta, A_log, dt_bias, dq, dk, dg, dbeta, *flags):
+    """What ``torch.ops.flashkda.chunk_bwd_input_grads`` computes: the gradients in the inputs'
+    dtypes, the gate parameters' sums as one tile each."""
+    o = _ref_options(*flags)
+    B, T, H, K = q.shape
+    dq, dk = (x.view(B, T, H, v.shape[2] // H, K).sum(3) for x in (dq, dk))
+    if g.dim() == 3:
+        dg = dg.sum(-1)
+    A_log, dt_bias = (A_log, dt_bias) if o.use_gate_in_kernel else (None, None)
+    dq, dk, dg, dbeta, dA, ddt = ag._preprocess_grads(o, q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta)
+    HV = v.shape[2]
+    dA = dq.new_empty(0, HV, dtype=torch.float32) if dA is None else dA.reshape(1, HV)
+    ddt = dq.new_empty(0, HV * (1 if g.dim() == 3 else K), dtype=torch.float32) if ddt is None else ddt.reshape(1, -1)
+    return [dq.to(q.dtype), dk.to(k.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dA, ddt]
+
+
 def _problem(lens, HV, K, device, dtype, seed, decay=5.0):
     """Preprocessed inputs as the backward hands them to the kernel: unit-norm q̂ (scaled) and k̂,
     log decays in [-decay, 0], β in (0, 1); the kernel's chunks of the sequences ``lens``."""
@@ -92,14 +130,19 @@ KERNEL_GLUE_CASES = {
 }
 
 
+@pytest.mark.parametrize("tokens", [False, True], ids=["torch_tokens", "kernel_tokens"])
 @pytest.mark.parametrize("case", list(KERNEL_GLUE_CASES))
-def test_kernel_backward_equals_torch_backward(monkeypatch, case):
+def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens):
     """The backward on the kernel pass (here its reference) gives the PyTorch backward's gradients
-    (chunk layout, scans, GVA, GDN, state layouts, sequences without tokens)."""
+    (chunk layout, scans, GVA, GDN, state layouts, sequences without tokens), with the per-token
+    work in PyTorch or on its kernels' path (their references: the glue around them)."""
     from test_autograd import _through_chunk_function, _upstream
 
     monkeypatch.setattr(_ext, "chunk_local_grad_op", local_grad_reference, raising=False)
     monkeypatch.setattr(_ext, "chunk_state_scan_op", state_scan_reference, raising=False)
+    monkeypatch.setattr(_ext, "chunk_bwd_inputs_op", token_inputs_reference, raising=False)
+    monkeypatch.setattr(_ext, "chunk_bwd_input_grads_op", token_grads_reference, raising=False)
+    monkeypatch.setattr(ag, "_token_kernels_serve", lambda *a: tokens)
     kw = make_inputs(H=2, D=16, dtype=torch.float64, **KERNEL_GLUE_CASES[case], seed=3)
     do, dht = (x.double() for x in _upstream(kw))
     calls = []
@@ -185,3 +228,61 @@ def test_state_scan_matches_reference(J, reverse):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert rel_err(a, b) <= 1e-5
+
+
+# The per-token passes: (gate mode, lower bound, l2norm, beta sigmoid, allow_neg_eigval, scalar gate,
+# H, HV, q/k dtype, g dtype, beta dtype, gate parameter dtype, with A_log, with dt_bias).
+TOKEN_CASES = {
+    "lower_bound_gva": (C.GATE_LOWER_BOUND, -5.0, True, True, False, False, 2, 4, torch.bfloat16, torch.float32,
+                        torch.bfloat16, torch.float32, True, True),
+    "softplus_fp16_neg": (C.GATE_SOFTPLUS, 0.0, False, True, True, False, 3, 3, torch.float16, torch.float16,
+                          torch.float16, torch.bfloat16, True, False),
+    "lower_bound_no_A": (C.GATE_LOWER_BOUND, -3.0, True, False, False, False, 2, 2, torch.bfloat16, torch.bfloat16,
+                         torch.float32, torch.float32, False, True),
+    "gdn_precomputed": (C.GATE_PRECOMPUTED, 0.0, True, False, False, True, 3, 3, torch.bfloat16, torch.float32,
+                        torch.bfloat16, torch.float32, False, False),
+    "gdn_softplus_gva": (C.GATE_SOFTPLUS, 0.0, True, True, False, True, 1, 2, torch.float32, torch.float32,
+                         torch.float32, torch.float32, True, True),
+}
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
+def test_token_passes_match_reference(case):
+    """``chunk_bwd_inputs`` and ``chunk_bwd_input_grads`` against their fp32 PyTorch references
+    (B = 2, T = 97: a partial tile; q a strided view), every gate mode, GVA, scalar gates, mixed
+    dtypes; outputs in the inputs' dtypes compared at their rounding, fp32 ones (the preprocessed
+    inputs, the gate parameters' sums) at fp32's."""
+    mode, lb, l2norm, beta_sigmoid, neg, scalar, H, HV, dt, gdt, bdt, pdt, with_A, with_dt = TOKEN_CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    B, T, K = 2, 97, 128
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to("cuda", dtype)
+
+    q = rnd(B, T, 2 * H, K, dtype=dt)[:, :, ::2]  # strided over heads
+    k, v = rnd(B, T, H, K, dtype=dt), rnd(B, T, HV, K, dtype=dt)
+    g = rnd(B, T, HV, dtype=gdt) if scalar else rnd(B, T, HV, K, dtype=gdt, scale=2.0)
+    if mode == C.GATE_PRECOMPUTED:
+        g = -g.abs()
+    beta = rnd(B, T, HV, dtype=bdt)
+    A_log = rnd(HV, dtype=pdt, scale=0.5) if with_A else None
+    dt_bias = (rnd(HV, dtype=pdt) if scalar else rnd(HV * K, dtype=pdt)) if with_dt else None
+    flags = (K ** -0.5, mode, lb, l2norm, beta_sigmoid, neg)
+    raw = (q, k, v, g, beta, A_log, dt_bias)
+    want = token_inputs_reference(*raw, *flags)
+    _ext.chunk_bwd_inputs_op(*(x if x is None else -x for x in raw[:5]), A_log, dt_bias, *flags)  # leaves stale
+    got = _ext.chunk_bwd_inputs_op(*raw, *flags)  # memory for a missed write to show
+    for name, a, b in zip(["q_hat", "k_hat", "g_hat", "beta_hat"], got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32, name
+        assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+    dhat = [rnd(B, T, HV, K), rnd(B, T, HV, K), rnd(B, T, HV, K), rnd(B, T, HV)]
+    want = token_grads_reference(*raw, *dhat, *flags)
+    _ext.chunk_bwd_input_grads_op(*raw, *(-x for x in dhat), *flags)
+    got = _ext.chunk_bwd_input_grads_op(*raw, *dhat, *flags)
+    for name, a, b in zip(["dq", "dk", "dg", "dbeta", "dA_log", "ddt_bias"], got[:4] + [x.sum(0) for x in got[4:]],
+                          want[:4] + [x.sum(0) for x in want[4:]]):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {list(a.shape)}"
+        tol = 1e-5 if a.dtype == torch.float32 else 4e-3  # 16-bit outputs: their rounding (2^-8)
+        assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.2e}"

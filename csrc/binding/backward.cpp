@@ -134,4 +134,133 @@ std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tenso
   return out;
 }
 
+namespace {
+
+// Safety net of the per-token passes: the raw inputs as set_token_params reads them, four
+// channels per access (16-byte aligned rows, strides of whole 4-element groups).
+void check_raw_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                      const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                      const std::optional<at::Tensor>& dt_bias) {
+  TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
+  const int64_t D = chunk::kHeadDim;
+  TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && q.size(3) == D && v.dim() == 4 && v.size(0) == q.size(0) &&
+                  v.size(1) == q.size(1) && v.size(3) == D && v.size(2) % q.size(2) == 0,
+              "flashkda: q, k must be [B, T, H, 128] and v [B, T, HV, 128]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && kernel_elem(q.scalar_type()),
+              "flashkda: q and k must share one dtype (float32, bfloat16 or float16)");
+  const bool scalar_gate = g.dim() == 3;
+  TORCH_CHECK((scalar_gate || (g.dim() == 4 && g.size(3) == D)) && g.size(0) == q.size(0) && g.size(1) == q.size(1) &&
+                  g.size(2) == v.size(2),
+              "flashkda: g must be [B, T, HV, 128] or [B, T, HV]");
+  TORCH_CHECK(beta.dim() == 3 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1) && beta.size(2) == v.size(2),
+              "flashkda: beta must be [B, T, HV]");
+  for (const auto& [t, name] : {std::pair{&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}}) check_cuda(*t, q, name);
+  for (const auto* t : {&g, &beta}) {
+    TORCH_CHECK(kernel_elem(t->scalar_type()) && last_dim_contiguous(*t),
+                "flashkda: g and beta must be float32, bfloat16 or float16, contiguous in their last dim");
+  }
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&g, "g"}}) {
+    if (t == &g && scalar_gate) continue;
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 4 == 0 && t->stride(1) % 4 == 0 && t->stride(2) % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "flashkda: ", name, " must have 16-byte aligned rows of 128 contiguous elements");
+  }
+  for (const auto& [t, name] : {std::pair{opt(A_log), "A_log"}, std::pair{opt(dt_bias), "dt_bias"}}) {
+    if (t == nullptr) continue;
+    check_cuda(*t, q, name);
+    TORCH_CHECK(kernel_elem(t->scalar_type()) && t->is_contiguous(), "flashkda: ", name,
+                " must be contiguous float32, bfloat16 or float16");
+  }
+  TORCH_CHECK(!A_log.has_value() || A_log->numel() == v.size(2), "flashkda: A_log must have HV elements");
+  TORCH_CHECK(!dt_bias.has_value() || dt_bias->numel() == v.size(2) * (scalar_gate ? 1 : D),
+              "flashkda: dt_bias must have HV * 128 elements (HV with a scalar gate)");
+}
+
+ChunkBwdTokenParams token_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                                 const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                                 const std::optional<at::Tensor>& dt_bias, double scale, int64_t gate_mode,
+                                 double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) {
+  check_raw_tokens(q, k, v, g, beta, A_log, dt_bias);
+  TORCH_CHECK(gate_mode >= 0 && gate_mode <= 2, "flashkda: gate_mode must be 0, 1 or 2");
+  ChunkBwdTokenParams p{};
+  const bool gated = gate_mode != int64_t(GateMode::kPrecomputed);
+  set_token_params(p.tok, q, k, v, g, beta, gated ? opt(A_log) : nullptr, gated ? opt(dt_bias) : nullptr, nullptr, v,
+                   scale, GateMode(gate_mode), lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, false);
+  p.qk_dtype = to_dtype(q, "q");
+  p.rows = q.size(0) * q.size(1);
+  return p;
+}
+
+}  // namespace
+
+// The preprocessed inputs of the per-chunk passes: [q̂, k̂, ĝ, β̂], fp32, q̂ k̂ ĝ [B, T, HV, 128] (q̂ and
+// k̂ per value head; ĝ of every key channel), β̂ [B, T, HV] (chunk_bwd_params.h, ChunkBwdTokenParams).
+std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& beta,
+                                         const std::optional<at::Tensor>& A_log,
+                                         const std::optional<at::Tensor>& dt_bias, double scale, int64_t gate_mode,
+                                         double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) {
+  ChunkBwdTokenParams p =
+      token_params(q, k, v, g, beta, A_log, dt_bias, scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval);
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int64_t B = q.size(0), T = q.size(1), HV = v.size(2), D = chunk::kHeadDim;
+  std::vector<at::Tensor> out{at::empty({B, T, HV, D}, f32), at::empty({B, T, HV, D}, f32),
+                              at::empty({B, T, HV, D}, f32), at::empty({B, T, HV}, f32)};
+  p.q_hat = out[0].data_ptr<float>();
+  p.k_hat = out[1].data_ptr<float>();
+  p.g_hat = out[2].data_ptr<float>();
+  p.beta_hat = out[3].data_ptr<float>();
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaError_t err = run_chunk_bwd_tokens(p, ChunkBwdTokenPass::kInputs, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_bwd_inputs launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
+// The gradients of the raw inputs from those of chunk_bwd_inputs' outputs (fp32, its layout):
+// [dq, dk, dg, dbeta] contiguous in the shapes and dtypes of q, k, g, beta, then the per-tile sums
+// [tiles, HV] of dA_log and [tiles, HV, 128] (a scalar gate: [tiles, HV]) of ddt_bias, fp32, empty
+// where the gate does not use that parameter.
+std::vector<at::Tensor> chunk_bwd_input_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& g, const at::Tensor& beta,
+                                              const std::optional<at::Tensor>& A_log,
+                                              const std::optional<at::Tensor>& dt_bias, const at::Tensor& dq_hat,
+                                              const at::Tensor& dk_hat, const at::Tensor& dg_hat,
+                                              const at::Tensor& dbeta_hat, double scale, int64_t gate_mode,
+                                              double lower_bound, bool l2norm, bool beta_sigmoid,
+                                              bool allow_neg_eigval) {
+  ChunkBwdTokenParams p =
+      token_params(q, k, v, g, beta, A_log, dt_bias, scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval);
+  const int64_t HV = v.size(2), D = chunk::kHeadDim;
+  for (const auto& [t, name, per_channel] :
+       {std::tuple{&dq_hat, "dq_hat", true}, {&dk_hat, "dk_hat", true}, {&dg_hat, "dg_hat", true},
+        {&dbeta_hat, "dbeta_hat", false}}) {
+    check_cuda(*t, q, name);
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->numel() == p.rows * HV * (per_channel ? D : 1) &&
+                    reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                "flashkda: ", name, " must be contiguous float32 of ", per_channel ? "[B, T, HV, 128]" : "[B, T, HV]");
+  }
+  const auto f32 = q.options().dtype(at::kFloat);
+  const int64_t tiles = (p.rows + kBwdTokenTileRows - 1) / kBwdTokenTileRows;
+  std::vector<at::Tensor> out{at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options()),
+                              at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous)),
+                              at::empty(beta.sizes(), beta.options().memory_format(at::MemoryFormat::Contiguous)),
+                              at::empty({p.tok.A_log != nullptr ? tiles : 0, HV}, f32),
+                              at::empty({p.tok.dt_bias != nullptr ? tiles : 0, HV * (p.tok.scalar_gate ? 1 : D)}, f32)};
+  p.dq_hat = dq_hat.data_ptr<float>();
+  p.dk_hat = dk_hat.data_ptr<float>();
+  p.dg_hat = dg_hat.data_ptr<float>();
+  p.dbeta_hat = dbeta_hat.data_ptr<float>();
+  p.dq = out[0].data_ptr();
+  p.dk = out[1].data_ptr();
+  p.dg = out[2].data_ptr();
+  p.dbeta = out[3].data_ptr();
+  p.dA_log_part = p.tok.A_log != nullptr ? out[4].data_ptr<float>() : nullptr;
+  p.ddt_bias_part = p.tok.dt_bias != nullptr ? out[5].data_ptr<float>() : nullptr;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaError_t err = run_chunk_bwd_tokens(p, ChunkBwdTokenPass::kGrads, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_bwd_input_grads launch failed: ", cudaGetErrorString(err));
+  return out;
+}
+
 }  // namespace flashkda::binding

@@ -120,6 +120,19 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          const std::optional<at::Tensor>& dstates, bool every_token);
 std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
                                          bool reverse);
+std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& g, const at::Tensor& beta,
+                                         const std::optional<at::Tensor>& A_log,
+                                         const std::optional<at::Tensor>& dt_bias, double scale, int64_t gate_mode,
+                                         double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval);
+std::vector<at::Tensor> chunk_bwd_input_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& g, const at::Tensor& beta,
+                                              const std::optional<at::Tensor>& A_log,
+                                              const std::optional<at::Tensor>& dt_bias, const at::Tensor& dq_hat,
+                                              const at::Tensor& dk_hat, const at::Tensor& dg_hat,
+                                              const at::Tensor& dbeta_hat, double scale, int64_t gate_mode,
+                                              double lower_bound, bool l2norm, bool beta_sigmoid,
+                                              bool allow_neg_eigval);
 
 }  // namespace flashkda::binding
 

@@ -30,6 +30,14 @@ TORCH_LIBRARY(flashkda, m) {
       "chunk_local_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor dO, Tensor chunk_bos, "
       "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None, bool every_token=False) -> Tensor[]");
   m.def("chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, bool reverse) -> Tensor[]");
+  m.def(
+      "chunk_bwd_inputs(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "float scale, int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) "
+      "-> Tensor[]");
+  m.def(
+      "chunk_bwd_input_grads(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor dq_hat, Tensor dk_hat, Tensor dg_hat, Tensor dbeta_hat, float scale, int gate_mode, "
+      "float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
@@ -37,6 +45,8 @@ TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
   m.impl("chunk_fwd", &flashkda::binding::chunk_fwd);
   m.impl("chunk_local_grad", &flashkda::binding::chunk_local_grad);
   m.impl("chunk_state_scan", &flashkda::binding::chunk_state_scan);
+  m.impl("chunk_bwd_inputs", &flashkda::binding::chunk_bwd_inputs);
+  m.impl("chunk_bwd_input_grads", &flashkda::binding::chunk_bwd_input_grads);
 }
 
 // `import flashkda._C` runs the registrations above. The module also exposes the entry points as

@@ -78,6 +78,9 @@ cudaError_t run_chunk_local_grad(const ChunkBwdParams& params, cudaStream_t stre
 int chunk_local_grad_smem_bytes();
 // The chunked backward's scans over chunks (chunk_state_scan.cuh), any sm_80+ device.
 cudaError_t run_chunk_state_scan(const ChunkScanParams& params, cudaStream_t stream);
+// The chunked backward's per-token work (chunk_bwd_tokens.cuh), D == chunk::kHeadDim, any sm_80+
+// device.
+cudaError_t run_chunk_bwd_tokens(const ChunkBwdTokenParams& params, ChunkBwdTokenPass pass, cudaStream_t stream);
 
 // cudaSuccess when the current device can run this build's kernels, else the error of loading one
 // (cudaErrorNoKernelImageForDevice: neither machine code for the device nor PTX it can compile).

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "flashkda/common/recurrent_params.h"
+
 namespace flashkda {
 namespace chunk_bwd {
 
@@ -68,6 +70,42 @@ struct ChunkScanParams {
   int64_t J;             // chunks of the longest sequence
   int64_t NH;            // sequences x value heads
   bool reverse;
+};
+
+// The per-token work around the per-chunk passes (chunk_bwd_tokens.cuh).
+enum class ChunkBwdTokenPass : int32_t {
+  kInputs = 0,  // q̂, k̂, ĝ, β̂ from the raw inputs
+  kGrads = 1,   // dq, dk, dg, dβ and the gate parameters' sums per tile from dq̂, dk̂, dĝ, dβ̂
+};
+// Tokens per tile of the gate parameters' sums (ChunkBwdTokenParams::dA_log_part, ddt_bias_part).
+constexpr int kBwdTokenTileRows = 64;
+
+struct ChunkBwdTokenParams {
+  // The raw inputs and their preprocessing, as the forward kernels take them (q, k, g, beta with
+  // their strides, A_log, dt_bias, gate mode, scale, l2norm, beta sigmoid; B, T, H, HV, D);
+  // cu_seqlens, the states and v are not read.
+  RecurrentParams tok;
+  DType qk_dtype;  // of q and k
+  int64_t rows;    // B * T
+  // kInputs: outputs, fp32, [rows, HV, D] (β̂: [rows, HV]); q̂ and k̂ per value head.
+  float* q_hat;
+  float* k_hat;
+  float* g_hat;
+  float* beta_hat;
+  // kGrads: inputs, fp32, the layout of kInputs' outputs.
+  const float* dq_hat;
+  const float* dk_hat;
+  const float* dg_hat;
+  const float* dbeta_hat;
+  // kGrads: outputs, contiguous in the raw inputs' shapes and dtypes: dq, dk [B, T, H, D] (qk_dtype),
+  // dg [B, T, HV, D] or [B, T, HV] (g's), dbeta [B, T, HV] (beta's).
+  void* dq;
+  void* dk;
+  void* dg;
+  void* dbeta;
+  // kGrads: fp32 sums over each tile of kBwdTokenTileRows tokens, or nullptr (not wanted).
+  float* dA_log_part;    // [tiles, HV]
+  float* ddt_bias_part;  // [tiles, HV, D] (KDA) or [tiles, HV] (scalar gate)
 };
 
 // Largest |Σ g| over the tokens of one sub-chunk that the kernel takes: its pivoted operands stay

@@ -1,0 +1,289 @@
+// chunk_bwd_tokens: the chunked backward's per-token work around the per-chunk passes
+// (chunk_bwd_params.h, ChunkBwdTokenParams):
+//   inputs   the preprocessed fp32 tensors the passes read: q̂ = scale · l2norm(q), k̂ = l2norm(k)
+//            (each repeated over the value heads of its group), the log decay ĝ of every key channel
+//            (a scalar gate's for all of them) and β̂, computed as the forward kernels compute them
+//            (token_math.cuh);
+//   grads    the passes' gradients back through that preprocessing (docs/SPEC.md, "Gradients"):
+//            dq, dk (summed over each group, through the l2 norm), dg through the gate function,
+//            dβ through the sigmoid, written in the raw inputs' dtypes, and the gate parameters'
+//            sums per tile of rows (summed by the caller: a fixed order, so the result does not vary
+//            from run to run).
+// One warp per (token, head), four key channels a lane: memory-bound, one read of each input and
+// one write of each output.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "flashkda/api.h"
+#include "flashkda/common/constants.h"
+#include "flashkda/common/token_math.cuh"
+#include "flashkda/prefill/chunk_params.h"
+
+namespace flashkda {
+
+namespace chunk_bwd_tokens {
+
+using chunk::kHeadDim;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kPerLane = kHeadDim / 32;
+constexpr int kRowsPerWarp = kBwdTokenTileRows / kWarps;
+static_assert(kPerLane == 4 && kBwdTokenTileRows % kWarps == 0, "a lane: four channels; a tile: whole warps");
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+// Element offset of (token row, head) in a [B, T, heads, ...] tensor with these strides.
+__device__ __forceinline__ int64_t token_offset(int64_t row, int T, int64_t batch_stride, int64_t token_stride,
+                                                int64_t head_stride, int head) {
+  const int64_t b = row / T;
+  return b * batch_stride + (row - b * T) * token_stride + head * head_stride;
+}
+
+__device__ __forceinline__ const void* elem_ptr(const void* base, DType dt, int64_t i) {
+  return static_cast<const char*>(base) + i * dtype_bytes(dt);
+}
+
+__device__ __forceinline__ void store_any(void* p, DType dt, int64_t i, float x) {
+  switch (dt) {
+    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
+    default: static_cast<float*>(p)[i] = x;
+  }
+}
+
+// Four consecutive values in dtype dt at element i (aligned to four elements).
+__device__ __forceinline__ void store_any4(void* p, DType dt, int64_t i, const float (&x)[4]) {
+  if (dt == DType::kFloat32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(p) + i) = make_float4(x[0], x[1], x[2], x[3]);
+  } else if (dt == DType::kBFloat16) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
+    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p) + i) =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+  } else {
+    const __half2 a = __floats2half2_rn(x[0], x[1]), b = __floats2half2_rn(x[2], x[3]);
+    *reinterpret_cast<uint2*>(static_cast<__half*>(p) + i) =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+  }
+}
+
+// The lane's four channels of q or k at (row, head h), as floats.
+__device__ __forceinline__ void load_qk(const ChunkBwdTokenParams& p, bool is_k, int64_t row, int h, int c0,
+                                        float (&x)[4]) {
+  const RecurrentParams& t = p.tok;
+  const int64_t off = is_k ? token_offset(row, t.T, t.k_batch_stride, t.k_token_stride, t.k_head_stride, h)
+                           : token_offset(row, t.T, t.q_batch_stride, t.q_token_stride, t.q_head_stride, h);
+  load_any_vec<4>(elem_ptr(is_k ? t.k : t.q, p.qk_dtype, off + c0), p.qk_dtype, x);
+}
+
+// The raw gate of (row, hv): the lane's four channels, or (scalar gate) the head's value in all four.
+__device__ __forceinline__ void load_gate(const ChunkBwdTokenParams& p, int64_t row, int hv, int c0, float (&x)[4]) {
+  const RecurrentParams& t = p.tok;
+  const int64_t off = token_offset(row, t.T, t.g_batch_stride, t.g_token_stride, t.g_head_stride, hv);
+  if (t.scalar_gate) {
+    x[0] = x[1] = x[2] = x[3] = load_any(t.g, t.g_dtype, off);
+  } else {
+    load_any_vec<4>(elem_ptr(t.g, t.g_dtype, off + c0), t.g_dtype, x);
+  }
+}
+
+// dt_bias of the lane's channels of head hv (a scalar gate: the head's), zero without one.
+__device__ __forceinline__ void load_bias(const RecurrentParams& t, int hv, int c0, float (&b)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    b[e] = t.dt_bias == nullptr ? 0.f
+                                : load_any(t.dt_bias, t.dt_bias_dtype, t.scalar_gate ? hv : int64_t(hv) * kHeadDim + c0 + e);
+  }
+}
+
+__device__ __forceinline__ float raw_beta(const RecurrentParams& t, int64_t row, int hv) {
+  return load_any(t.beta, t.beta_dtype, token_offset(row, t.T, t.beta_batch_stride, t.beta_token_stride, 1, hv));
+}
+
+// One warp per (token, value head): q̂ and k̂ of the head's key head, ĝ and β̂.
+__global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkBwdTokenParams p) {
+  const RecurrentParams& t = p.tok;
+  const int lane = threadIdx.x & 31, c0 = lane * kPerLane, hv = blockIdx.y;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (row >= p.rows) return;
+  const int h = key_head(t, hv);
+  const int64_t out = (row * t.HV + hv) * kHeadDim + c0;
+#pragma unroll
+  for (int is_k = 0; is_k < 2; ++is_k) {
+    float x[4];
+    load_qk(p, is_k, row, h, c0, x);
+    float f = is_k ? 1.f : t.scale;
+    if (t.l2norm) f *= rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] *= f;
+    store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, x);
+  }
+  float raw[4], bias[4], decay[4];
+  load_gate(p, row, hv, c0, raw);
+  load_bias(t, hv, c0, bias);
+  log_decays(t, raw, bias, gate_scale(t, hv), decay);
+  store_floats<4>(p.g_hat + out, decay);
+  if (lane == 0) p.beta_hat[row * t.HV + hv] = beta_value(t, raw_beta(t, row, hv));
+}
+
+// One warp per (token, key head): dq and dk, the group's value heads summed, back through the scale
+// and the l2 norm (r dy − r y (dy · y), y the normalised row, r its 1 / norm).
+__global__ void __launch_bounds__(kThreads) chunk_bwd_qk_grads_kernel(const ChunkBwdTokenParams p) {
+  const RecurrentParams& t = p.tok;
+  const int lane = threadIdx.x & 31, c0 = lane * kPerLane, h = blockIdx.y;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (row >= p.rows) return;
+  const int group = t.HV / t.H;
+#pragma unroll
+  for (int is_k = 0; is_k < 2; ++is_k) {
+    float dy[4] = {0.f, 0.f, 0.f, 0.f};
+    const float* src = is_k ? p.dk_hat : p.dq_hat;
+    for (int j = 0; j < group; ++j) {
+      float d[4];
+      load_floats<4>(src + (row * t.HV + h * group + j) * kHeadDim + c0, d);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dy[e] += d[e];
+    }
+    if (!is_k) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dy[e] *= t.scale;
+    }
+    if (t.l2norm) {
+      float x[4];
+      load_qk(p, is_k, row, h, c0, x);
+      const float r = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+      float y[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] = x[e] * r;
+      const float dot = warp_sum(dy[0] * y[0] + dy[1] * y[1] + dy[2] * y[2] + dy[3] * y[3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dy[e] = r * (dy[e] - y[e] * dot);
+    }
+    store_any4(is_k ? p.dk : p.dq, p.qk_dtype, (row * t.H + h) * kHeadDim + c0, dy);
+  }
+}
+
+// d(log decay)/d(raw gate) and d(log decay)/d(A_log) of one channel, x = g + dt_bias, a = e^{A_log}.
+template <GateMode kMode>
+__device__ __forceinline__ void gate_grad_as(const RecurrentParams& t, float dy, float x, float a, float& dx,
+                                             float& da) {
+  if constexpr (kMode == GateMode::kLowerBound) {  // lower_bound · sigmoid(a x)
+    const float s = sigmoidf_(a * x), dz = dy * t.lower_bound * s * (1.f - s);
+    dx = dz * a, da = dz * a * x;
+  } else if constexpr (kMode == GateMode::kSoftplus) {  // −a · softplus(x)
+    const bool linear = x > kSoftplusThreshold;
+    dx = -a * dy * (linear ? 1.f : sigmoidf_(x));
+    da = -a * dy * softplusf_(x);
+  } else {
+    dx = dy, da = 0.f;
+  }
+}
+
+template <GateMode kMode>
+__device__ __forceinline__ void gate_grads(const RecurrentParams& t, const float (&dy)[4], const float (&x)[4], float a,
+                                           float (&dx)[4], float& da) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float d;
+    gate_grad_as<kMode>(t, dy[e], x[e], a, dx[e], d);
+    da += d;
+  }
+}
+
+// One block per (tile of kBwdTokenTileRows tokens, value head), a warp per token at a time: dg and
+// dβ of every token, and the tile's sums of d(dt_bias) and d(A_log).
+__global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const ChunkBwdTokenParams p) {
+  __shared__ float part_dt[kWarps][kHeadDim];
+  __shared__ float part_a[kWarps];
+  const RecurrentParams& t = p.tok;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c0 = lane * kPerLane, hv = blockIdx.y;
+  const int64_t tile = blockIdx.x;
+  const float a = gate_scale(t, hv);
+  float bias[4];
+  load_bias(t, hv, c0, bias);
+  float sum_dx[4] = {0.f, 0.f, 0.f, 0.f}, sum_da = 0.f;
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const int64_t row = tile * kBwdTokenTileRows + i * kWarps + warp;
+    if (row >= p.rows) break;
+    float dy[4], raw[4], x[4], dx[4], da = 0.f;
+    load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dy);
+    if (t.scalar_gate) {  // one decay for every channel: its gradient is their sum
+      dy[0] = warp_sum(dy[0] + dy[1] + dy[2] + dy[3]);
+      dy[1] = dy[2] = dy[3] = 0.f;
+    }
+    load_gate(p, row, hv, c0, raw);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = raw[e] + bias[e];
+    switch (t.gate_mode) {
+      case GateMode::kLowerBound: gate_grads<GateMode::kLowerBound>(t, dy, x, a, dx, da); break;
+      case GateMode::kSoftplus: gate_grads<GateMode::kSoftplus>(t, dy, x, a, dx, da); break;
+      default: gate_grads<GateMode::kPrecomputed>(t, dy, x, a, dx, da);
+    }
+    if (t.scalar_gate) {
+      if (lane == 0) store_any(p.dg, t.g_dtype, row * t.HV + hv, dx[0]);
+    } else {
+      store_any4(p.dg, t.g_dtype, (row * t.HV + hv) * kHeadDim + c0, dx);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sum_dx[e] += dx[e];
+    sum_da += da;
+    if (lane == 0) {
+      float db = p.dbeta_hat[row * t.HV + hv];
+      if (t.beta_sigmoid) {
+        const float s = sigmoidf_(raw_beta(t, row, hv));
+        db *= t.beta_scale * s * (1.f - s);
+      }
+      store_any(p.dbeta, t.beta_dtype, row * t.HV + hv, db);
+    }
+  }
+  if (p.ddt_bias_part == nullptr && p.dA_log_part == nullptr) return;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) part_dt[warp][c0 + e] = sum_dx[e];
+  if (t.scalar_gate && lane != 0) sum_da = 0.f;  // every lane computed the head's one value
+  sum_da = warp_sum(sum_da);
+  if (lane == 0) part_a[warp] = sum_da;
+  __syncthreads();
+  const int c = threadIdx.x;
+  if (c < kHeadDim && p.ddt_bias_part != nullptr && (!t.scalar_gate || c == 0)) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += part_dt[w][c];
+    if (t.scalar_gate) {
+      p.ddt_bias_part[tile * t.HV + hv] = s;
+    } else {
+      p.ddt_bias_part[(tile * t.HV + hv) * kHeadDim + c] = s;
+    }
+  }
+  if (c == 0 && p.dA_log_part != nullptr) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += part_a[w];
+    p.dA_log_part[tile * t.HV + hv] = s;
+  }
+}
+
+}  // namespace chunk_bwd_tokens
+
+cudaError_t run_chunk_bwd_tokens(const ChunkBwdTokenParams& p, ChunkBwdTokenPass pass, cudaStream_t stream) {
+  using namespace chunk_bwd_tokens;
+  if (p.rows == 0) return cudaSuccess;
+  const unsigned row_blocks = unsigned((p.rows + kWarps - 1) / kWarps);
+  if (pass == ChunkBwdTokenPass::kInputs) {
+    chunk_bwd_inputs_kernel<<<dim3(row_blocks, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
+  } else {
+    chunk_bwd_qk_grads_kernel<<<dim3(row_blocks, unsigned(p.tok.H)), kThreads, 0, stream>>>(p);
+    const unsigned tiles = unsigned((p.rows + kBwdTokenTileRows - 1) / kBwdTokenTileRows);
+    chunk_bwd_gate_grads_kernel<<<dim3(tiles, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flashkda
