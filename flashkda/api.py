@@ -558,12 +558,14 @@ def _chunk_with_grad(fn, p: _Problem, q, k, v, g, beta, A_log, dt_bias, initial_
                           use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=beta_sigmoid,
                           allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
                           state_v_first=state_v_first, cu_seqlens=cu_seqlens, core="chunk")
-    args = (p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state, l2norm, beta_sigmoid,
-            allow_neg_eigval, lower_bound, state_v_first)
-    if _chunk_kernel_unsupported(p, q) is None:
-        run = lambda: _run_chunk_kernel(*args)  # noqa: E731
-    else:  # the token-by-token kernel, as for a call without grad
-        run = lambda: _run_recurrent_kernel(*args, None, None, None)  # noqa: E731
+    chunked = _chunk_kernel_unsupported(p, q) is None
+
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        args = (p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state, l2norm,
+                beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first)
+        if chunked:
+            return _run_chunk_kernel(*args)
+        return _run_recurrent_kernel(*args, None, None, None)  # the token-by-token kernel, as without grad
 
     opts = ChunkOptions(p.scale, l2norm, use_gate_in_kernel, lower_bound, beta_sigmoid, allow_neg_eigval,
                         state_v_first, cu_seqlens, cu_seqlens_cpu)

@@ -77,14 +77,15 @@ class ChunkOptions(NamedTuple):
 class ChunkFunction(torch.autograd.Function):
     """``(o, final_state)`` of a chunked prefill, differentiable in every tensor input.
 
-    ``forward(ctx, run, options, q, k, v, g, beta, A_log, dt_bias, initial_state)``: ``run()`` computes
-    ``(o, final_state or None)`` from those tensors without autograd (the CUDA kernels);
+    ``forward(ctx, run, options, q, k, v, g, beta, A_log, dt_bias, initial_state)``:
+    ``run(q, k, v, g, beta, A_log, dt_bias, initial_state)`` computes ``(o, final_state or None)``
+    from those tensors without autograd (the CUDA kernels);
     ``options`` is a :class:`ChunkOptions`.
     """
 
     @staticmethod
     def forward(ctx, run, options: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state):
-        o, ht = run()
+        o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state)
         ctx.options = options
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
         ctx.set_materialize_grads(False)

@@ -196,8 +196,12 @@ def kda_reference(
         seqs = [(b, 0, T) for b in range(B)]
     N = len(seqs)
 
-    o = out if out is not None else torch.empty_like(v)
-    o.zero_()
+    if out is not None:
+        o = out.zero_()
+    else:
+        # A fresh zero tensor, not empty_like(v).zero_(): an output zeroed in place loses its
+        # gradient under torch.compile (torch 2.11) when this runs inside an autograd.Function.
+        o = torch.zeros_like(v)
     serving = ssm_state_indices is not None
     final = None
     if output_final_state and not serving:
