@@ -419,8 +419,6 @@ def _chunk_with_context(fn, public, cp_context, q, k, v, g, beta, initial_state,
     if getattr(cp_context, "cu_seqlens", None) is None:
         raise ValueError(f"flashkda: {fn}: cp_context must be a context with this rank's cu_seqlens (FLA's "
                          f"FLACPContext or flashkda.cp.build_context), got {type(cp_context).__name__}")
-    if _needs_grad(q, k, v, g, beta, kw.get("A_log"), kw.get("dt_bias")):
-        raise NotImplementedError(f"flashkda: {fn} with cp_context is forward-only for now; an input requires grad")
     from flashkda.cp import chunk_with_context
 
     return chunk_with_context(public, cp_context, q, k, v, g, beta, state_v_first=state_v_first, **kw)

@@ -16,6 +16,11 @@ then one all-gather shares every rank's ``(E, M)`` (no chain of point-to-point m
 whose first sequence began on an earlier rank folds the maps of the ranks in between (``S = E_s``,
 then ``S = M_j S + E_j``) and adds ``Sᵀ Φ_tᵀ q_t`` to that sequence's outputs.
 
+Under autograd the two prefills differentiate as any call does, and the exchange is one node
+(:class:`_IncomingState`) whose backward is one all-reduce of every rank's gradient of every rank's
+``(E, M)``: each rank's pair gets the gradients of the ranks that folded it. Every rank of a
+training step must call with inputs that require grad (they all join that collective).
+
 :class:`CPContext` (built by :func:`build_context`) has the fields of FLA's ``FLACPContext``, and
 FLA's own context works as well; FLA's restrictions hold: no ``initial_state``, no
 ``output_final_state``, ``cu_seqlens`` taken from the context, the token count divisible by the
@@ -75,15 +80,84 @@ def build_context(cu_seqlens: torch.Tensor, group: Optional[Any] = None,
                      pre_num_ranks=pre, post_num_ranks=post, is_first_rank=pre == 0, is_last_rank=post == 0)
 
 
-def _gather(t: torch.Tensor, group) -> list:
-    """Every rank's ``t``, by one all-gather (through host memory on a gloo group, which is for CPU
-    tensors: ranks sharing one GPU, tests)."""
+def _gather(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``t``, stacked ``[world, ...]``, by one all-gather (through host memory on a gloo
+    group, which is for CPU tensors: ranks sharing one GPU, tests)."""
     device = t.device
     if t.is_cuda and dist.get_backend(group) == "gloo":
         t = t.cpu()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
-    return [x.to(device) for x in out]
+    return torch.stack(out).to(device)
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` summed over the ranks, by one all-reduce (through host memory on a gloo group)."""
+    if t.is_cuda and dist.get_backend(group) == "gloo":
+        host = t.cpu()
+        dist.all_reduce(host, group=group)
+        return host.to(t.device)
+    t = t.contiguous()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def _fold(everyone: torch.Tensor, s0: int, rank: int, V: int) -> list:
+    """The states ``[S_s0, ..., S_{rank-1}]`` that the first sequence's state takes after each of the
+    ranks ``s0 .. rank-1`` from their ``(E | M)``: ``S_s0 = E_s0``, ``S_j = M_j S_{j-1} + E_j``."""
+    states = [everyone[s0][..., :V]]
+    for j in range(s0 + 1, rank):
+        states.append(everyone[j][..., V:] @ states[-1] + everyone[j][..., :V])
+    return states
+
+
+def _add_incoming(o: torch.Tensor, through: torch.Tensor, S: torch.Tensor, first: int) -> torch.Tensor:
+    """``o`` with ``Sᵀ Φ_tᵀ q_t`` added to its first ``first`` tokens, in place (fp32 sums)."""
+    extra = torch.einsum("bthk,hkv->bthv", through[:, :first].float(), S)
+    o[:, :first] = (o[:, :first].float() + extra).to(o.dtype)
+    return o
+
+
+class _IncomingState(torch.autograd.Function):
+    """``o`` plus the incoming state's share of the rank's first sequence, under autograd: the
+    all-gather of every rank's ``(E | M)``, the fold and the sum in the forward; in the backward, this
+    rank's gradient of every rank's ``(E | M)`` (zero for those it did not fold), summed over the
+    ranks by one all-reduce, so that each rank's ``(E | M)`` gets the gradients of the ranks after
+    it. ``o`` requires grad on every rank of a training step, so every rank records this node and
+    joins the backward's collective."""
+
+    @staticmethod
+    def forward(ctx, o, through, mine, group, first: int, pre: int, V: int):
+        everyone = _gather(mine, group)
+        rank = dist.get_rank(group)
+        out = o.clone()
+        if pre > 0:
+            _add_incoming(out, through, _fold(everyone, rank - pre, rank, V)[-1], first)
+        ctx.save_for_backward(through if pre > 0 else None, everyone)
+        ctx.group, ctx.first, ctx.pre, ctx.V, ctx.rank = group, first, pre, V, rank
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        through, everyone = ctx.saved_tensors
+        first, V, rank = ctx.first, ctx.V, ctx.rank
+        d_everyone = torch.zeros_like(everyone)
+        dthrough = None
+        if ctx.pre > 0:
+            s0 = rank - ctx.pre
+            states = _fold(everyone, s0, rank, V)
+            d_first = dout[:, :first].float()
+            through_first = through[:, :first].float()
+            dS = torch.einsum("bthk,bthv->hkv", through_first, d_first)
+            dthrough = torch.zeros_like(through)
+            dthrough[:, :first] = torch.einsum("bthv,hkv->bthk", d_first, states[-1]).to(through.dtype)
+            for j in range(rank - 1, s0, -1):  # back through S_j = M_j S_{j-1} + E_j
+                d_everyone[j, ..., :V] += dS
+                d_everyone[j, ..., V:] += dS @ states[j - 1 - s0].transpose(-1, -2)
+                dS = everyone[j][..., V:].transpose(-1, -2) @ dS
+            d_everyone[s0, ..., :V] += dS
+        dmine = _all_reduce(d_everyone, ctx.group)[rank]
+        return dout, dthrough, dmine, None, None, None, None
 
 
 def chunk_with_context(fn, ctx, q, k, v, g, beta, *, state_v_first: bool = False, **kw):
@@ -123,15 +197,12 @@ def chunk_with_context(fn, ctx, q, k, v, g, beta, *, state_v_first: bool = False
         M = ends[-1]
     # 3. One all-gather of every rank's (E | M) [HV, K, V + K] (zeros where the last sequence ends here).
     mine = torch.cat([states[-1], M], dim=-1) if needs_out else torch.zeros(HV, K, V + K, device=q.device)
+    if torch.is_grad_enabled() and o.requires_grad:  # training: every rank's o requires grad
+        return _IncomingState.apply(o, through, mine, ctx.group, first, ctx.pre_num_ranks, V), None
     everyone = _gather(mine, ctx.group)
     # 4. The incoming state, folded over the ranks that hold the first sequence's start, and its share
     # of the first sequence's outputs.
     if needs_in:
         rank = dist.get_rank(ctx.group)
-        s0 = rank - ctx.pre_num_ranks
-        S = everyone[s0][..., :V]
-        for j in range(s0 + 1, rank):
-            S = everyone[j][..., V:] @ S + everyone[j][..., :V]
-        extra = torch.einsum("bthk,hkv->bthv", through[:, :first].float(), S)
-        o[:, :first] = (o[:, :first].float() + extra).to(o.dtype)
+        _add_incoming(o, through, _fold(everyone, rank - ctx.pre_num_ranks, rank, V)[-1], first)
     return o, None

@@ -1,7 +1,9 @@
 """Context parallelism on the CPU: gloo process groups of 2 and 3 ranks (torch.multiprocessing), each
 rank running chunk_kda / chunk_gated_delta_rule on its slice of a packed batch under a cp_context;
-every rank's output must equal its slice of the single-process result. Cases: a sequence
-straddling two and three ranks, ranks holding only whole sequences, empty sequences."""
+every rank's output must equal its slice of the single-process result, and under autograd every
+rank's gradients its slice of the single-process gradients (the shared gate parameters' summed over
+the ranks). Cases: a sequence straddling two and three ranks, ranks holding only whole sequences,
+empty sequences."""
 
 import os
 import tempfile
@@ -23,6 +25,8 @@ CASES = [
     ("straddles_three", 3, [150, 10, 20], False, True, "precomputed"),
     ("mixed_with_empty", 3, [0, 70, 50, 0, 60], True, True, "softplus"),
     ("gdn_straddles_three", 3, [5, 170, 5], True, False, "lower_bound"),
+    # decays near 1: a rank's map M of 60 tokens stays far from zero, so its gradient counts
+    ("weak_decay_straddles_three", 3, [150, 10, 20], False, False, "precomputed_weak"),
 ]
 
 
@@ -39,9 +43,13 @@ def ctx_cu(lens):
 def _inputs(lens, gdn, state_v_first, gate, device="cpu"):
     """CPU: fp32, D = 16 (the reference); GPU: bf16, D = 128 (the kernels)."""
     gpu = device != "cpu"
-    return make_inputs(lens=lens, H=2, HV=4, D=128 if gpu else 16, gdn=gdn, gate=gate, state=False,
-                       state_v_first=state_v_first, dtype=torch.bfloat16 if gpu else torch.float32, device=device,
-                       seed=sum(lens) + len(lens))
+    weak = gate == "precomputed_weak"
+    kw = make_inputs(lens=lens, H=2, HV=4, D=128 if gpu else 16, gdn=gdn, gate="precomputed" if weak else gate,
+                     state=False, state_v_first=state_v_first, dtype=torch.bfloat16 if gpu else torch.float32,
+                     device=device, seed=sum(lens) + len(lens))
+    if weak:
+        kw["g"] = kw["g"] * 0.01
+    return kw
 
 
 def _call(kw, gdn, **extra):
@@ -92,6 +100,79 @@ def _run_and_compare(world, cases, gpu, tol, shared_gpu=False):
                 assert err <= tol, f"{name}, rank {rank}: error {err:.2e} (pre {got['pre']}, post {got['post']})"
                 if got["fla_o"] is not None:
                     assert torch.equal(got["fla_o"], got["o"]), f"{name}, rank {rank}: FLA's context differs"
+
+
+TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def _upstream(lens, HV, D, device="cpu", seed=5):
+    return torch.randn(1, sum(lens), HV, D, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _grad_worker(rank, world, init_file, out_dir, cases, shared_gpu=False):
+    """One rank under gloo (on the CPU, or every rank on GPU 0): the gradients of its slice of the
+    token inputs and of the shared gate parameters, from its slice of one upstream gradient of o."""
+    device = "cuda:0" if shared_gpu else "cpu"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for name, _, lens, gdn, v_first, gate in cases:
+            kw = _inputs(lens, gdn, v_first, gate, device)
+            ctx = build_context(kw.pop("cu_seqlens"))
+            part = sum(lens) // world
+            names = [n for n in (*TOKEN_INPUTS, "A_log", "dt_bias") if kw.get(n) is not None]
+            for n in names:
+                x = kw[n][:, rank * part:(rank + 1) * part] if n in TOKEN_INPUTS else kw[n]
+                kw[n] = x.detach().clone().requires_grad_()
+            o, _ = _call(kw, gdn, cp_context=ctx)
+            do = _upstream(lens, *kw["v"].shape[2:], device)[:, rank * part:(rank + 1) * part].to(o.dtype)
+            grads = torch.autograd.grad(o, [kw[n] for n in names], do)
+            torch.save({n: gr.cpu() for n, gr in zip(names, grads)}, os.path.join(out_dir, f"{name}_{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _grads_and_compare(world, cases, tol, shared_gpu=False):
+    device = "cuda:0" if shared_gpu else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_grad_worker, args=(world, os.path.join(tmp, "init"), tmp, cases, shared_gpu), nprocs=world,
+                 join=True)
+        for name, _, lens, gdn, v_first, gate in cases:
+            kw = _inputs(lens, gdn, v_first, gate, device)
+            names = [n for n in (*TOKEN_INPUTS, "A_log", "dt_bias") if kw.get(n) is not None]
+            for n in names:
+                kw[n] = kw[n].detach().clone().requires_grad_()
+            o, _ = _call(kw, gdn)
+            do = _upstream(lens, *kw["v"].shape[2:], device).to(o.dtype)
+            want = {n: gr.cpu() for n, gr in zip(names, torch.autograd.grad(o, [kw[n] for n in names], do))}
+            part = sum(lens) // world
+            got = [torch.load(os.path.join(tmp, f"{name}_{rank}.pt")) for rank in range(world)]
+            for n in names:
+                if n in TOKEN_INPUTS:
+                    for rank in range(world):
+                        err = rel_err(got[rank][n], want[n][:, rank * part:(rank + 1) * part])
+                        assert err <= tol, f"{name}, rank {rank}: d{n} error {err:.2e}"
+                else:  # shared by every rank: their contributions add up
+                    err = rel_err(sum(g[n].float() for g in got), want[n].float())
+                    assert err <= tol, f"{name}: d{n} (summed over ranks) error {err:.2e}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_gradients_match_one_process(world):
+    """The backward under cp_context: each rank's gradients are its slice of the single-process ones
+    (sequences straddling two and three ranks, so the exchange's backward carries them back)."""
+    _grads_and_compare(world, [c for c in CASES if c[1] == world], tol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_gradients_kernels_on_one_gpu(world):
+    """The backward under cp_context on the kernels (every rank on the one GPU, gloo), bf16, against
+    the one-process kernels' gradients: the two split the bf16 products differently."""
+    cases = [(n, world, lens, gdn, v_first, gate) for n, _, lens, gdn, v_first, gate in CASES
+             if sum(lens) % world == 0] + [("long", world, [64 * 12 * world - 100, 100], False, True, "lower_bound")]
+    _grads_and_compare(world, cases, tol=2e-2, shared_gpu=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -166,8 +247,5 @@ def test_context_restrictions():
     kw.pop("initial_state")
     with pytest.raises(ValueError, match="output_final_state"):
         flashkda.chunk_kda(**kw, cp_context=ctx, output_final_state=True)
-    kw["q"].requires_grad_()
-    with pytest.raises(NotImplementedError, match="forward-only"):
-        flashkda.chunk_kda(**kw, cp_context=ctx)
     with pytest.raises(ValueError, match="multiple of the number of ranks"):
         _context_as(0, 7, torch.tensor([0, 60], dtype=torch.int32))

@@ -18,6 +18,7 @@ from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fused_rec
 
 import flashkda  # noqa: E402
 from flashkda import _ext  # noqa: E402
+from flashkda.cp import CPContext  # noqa: E402
 from flashkda import api as kda_api  # noqa: E402
 from flashkda.integrations import fla as integ  # noqa: E402
 
@@ -128,6 +129,13 @@ def test_verifiers_under_autograd(monkeypatch):
     assert not ok and "grad" not in reason and "cpu" in reason
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE, return_intermediate_states=True)
     assert not ok and "requires grad" in reason
+    one = _inputs(B=1, D=128)
+    one["q"].requires_grad_(True)
+    cu = torch.tensor([0, one["q"].shape[1]], dtype=torch.int32)
+    ctx = CPContext(group=None, cu_seqlens=cu, cu_seqlens_cpu=cu, pre_num_ranks=0, post_num_ranks=0,
+                    is_first_rank=True, is_last_rank=True)
+    ok, reason = integ.chunk_kda_verifier(**{**one, "initial_state": None}, **GATE, cp_context=ctx)
+    assert not ok and reason == "flashkda: inputs are on cpu"  # training under a context is served
     ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, inplace_final_state=False)
     assert not ok and "grad" in reason
     with torch.no_grad():

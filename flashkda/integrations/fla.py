@@ -15,7 +15,7 @@ Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, includ
 ``flash_kda`` and ``flash_qla`` adapters. The verifiers accept exactly the calls that flashkda's CUDA
 kernels serve with FLA's semantics, context parallelism (``cp_context``) included, and training
 calls of the chunked entries with ``FLASHKDA_FLA_TRAINING=1``; everything else (CPU tensors, head
-dims other than 64/128, float64, context parallelism or decode under autograd, ...) is rejected
+dims other than 64/128, float64, decode under autograd, ...) is rejected
 with a reason, logged once by FLA at INFO level, and runs FLA's Triton code as before. The decode
 entry registers no verifier, to keep FLA's per-call cost low: its implementation sends the calls
 the kernels take straight to them and hands the others, with the same arguments, to FLA's own
@@ -129,14 +129,12 @@ def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, 
 def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes,
                           state_v_first) -> Tuple[Optional[str], bool]:
     """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: autograd (served only with
-    ``FLASHKDA_FLA_TRAINING=1``, and never with context parallelism), their ``**kwargs``,
+    ``FLASHKDA_FLA_TRAINING=1``, context parallelism included), their ``**kwargs``,
     ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of them rejects
     the call) and the state layout."""
     if _api._needs_grad(*tensors) and os.environ.get(TRAINING_ENV_VAR, "0").strip() != "1":
         return (f"an input requires grad: flashkda's backward is slower than FLA's ({TRAINING_ENV_VAR}=1 "
                 "serves training calls)"), state_v_first
-    if cp_context is not None and _api._needs_grad(*tensors):
-        return "cp_context with an input that requires grad (flashkda's is forward-only)", state_v_first
     unknown = sorted(set(kwargs) - known_kwargs)
     if unknown:
         return f"keyword arguments {unknown} are not supported", state_v_first
