@@ -118,6 +118,9 @@ if [[ $what == profile ]]; then  # Nsight Compute: stall reasons and hot lines (
     OUT=/tmp/profile/$k timeout 200 bash bench/ncu_hotspots.sh "$k" bench/ncu_chunk.py 2>&1 | head -60
   done
   OUT=/tmp/profile/decode timeout 200 bash bench/ncu_hotspots.sh decode_step_bulk bench/ncu_decode.py 2>&1 | head -60
+  # the backward's gradients pass (its first launch: train_profile.py's warm-up step, T = 8192, H = 32)
+  OUT=/tmp/profile/bwd NCU_NAME_BASE=demangled timeout 300 bash bench/ncu_hotspots.sh 'Pass\)1>' \
+    bench/train_profile.py 2>&1 | head -60
 fi
 if [[ $what == fla ]]; then
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Where one kernel launch spends its time (the extension is built with -lineinfo):
 #   bash bench/ncu_hotspots.sh [kernel regex, default chunk_prepare] [workload, default bench/ncu_chunk.py]
+# The regex matches the function's name without template arguments, or with NCU_NAME_BASE=demangled
+# the whole demangled name (to tell instantiations apart, e.g. the backward's two passes).
 # Writes the report and the per-line / per-instruction CSVs to $OUT, then prints the stall reasons
 # (warp cycles per issued instruction, by reason) and the source lines with the most stall samples.
 set -uo pipefail
 OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 kernel=${1:-chunk_prepare}; workload=${2:-bench/ncu_chunk.py}
-ncu --clock-control none --set full --import-source yes -k "regex:$kernel" -c 1 -f -o "$OUT/hot" \
+ncu --clock-control none --set full --import-source yes --kernel-name-base "${NCU_NAME_BASE:-function}" \
+  -k "regex:$kernel" -c 1 -f -o "$OUT/hot" \
   python3 "$workload" >"$OUT/hot_run.log" 2>&1 || { tail -5 "$OUT/hot_run.log"; exit 1; }
 ncu --import "$OUT/hot.ncu-rep" --page raw --csv >"$OUT/hot_raw.csv" 2>/dev/null
 python3 - "$OUT/hot_raw.csv" <<'PY'
