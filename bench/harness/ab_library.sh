@@ -11,7 +11,8 @@
 # time per call, fp32 pools at every N and a bf16 pool, default and sm_80 families) for a change
 # that reaches them. HOST=1 also runs bench/host_profile.py in each tree (host µs of an eager decode
 # call and of a small prefill call, their parts, and their CUDA-event times) for a change to an
-# eager path. ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be importable
+# eager path. TRAIN=1 also times a training call's kernels in each tree (bench/train_profile.py).
+# ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be importable
 # for the builds (PYTHONPATH), as for any build of the extension.
 set -uo pipefail
 rows=${ROWS:-varlen_1024x8_H96,fixed_8k_H96,fixed_32k_H8,fixed_8k_H64}
@@ -54,6 +55,10 @@ for round in 1 2; do
     fi
     if [[ ${HOST:-0} == 1 ]]; then
       (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/host_profile.py 2>&1 | grep -v -i warn)
+    fi
+    if [[ ${TRAIN:-0} == 1 ]]; then  # a training call's kernels by GPU time, T = 8192, H = 32
+      (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/train_profile.py --top 10 2>&1 \
+         | grep -E "chunk_|Self CUDA")
     fi
   done
 done
