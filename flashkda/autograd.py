@@ -427,14 +427,32 @@ def _spans_within(gate: torch.Tensor, span: float) -> bool:
     return not window.numel() or bool((window >= -span).all())
 
 
-def _kernel_chunks(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
-    """``(bos, len, N, J)`` of the kernel's chunks, chunk ``j * N + n`` the j-th of sequence n (empty
-    past its end), ``J`` chunks of the longest (see :func:`_sequence_spans`)."""
-    starts, lens, N, J = _sequence_spans(B, T, cu_seqlens, cu_seqlens_cpu, device)
-    offset = torch.arange(J, dtype=torch.long, device=device)[:, None] * _CHUNK
-    bos = (starts[None, :] + offset).reshape(-1)
-    length = (lens[None, :] - offset).clamp(0, _CHUNK).reshape(-1).to(torch.int32)
-    return bos, length, N, J
+def _kernel_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ...]:
+    """The kernels' chunks, every sequence's consecutive: ``(bos [C] int64, len [C] int32,
+    seq_first [N] int64, seq_chunks [N] int32, N, C)``, sequence n's ``seq_chunks[n]`` chunks from
+    ``seq_first[n]``. ``C`` (``B · ceil(T / 64)``, or with ``cu_seqlens`` ``T // 64 + N``, a bound
+    on ``Σ ceil(len / 64)``) is known without reading ``cu_seqlens``: all of it is built on the
+    device, and the chunks past the last sequence's are empty."""
+    if cu_seqlens is None:
+        N, J = B, -(-T // _CHUNK)
+        starts = torch.arange(B, dtype=torch.long, device=device) * T
+        lens = torch.full((B,), T, dtype=torch.long, device=device)
+        C = B * J
+    else:
+        cu = cu_seqlens.to(device, torch.long)
+        N = cu.shape[0] - 1
+        starts, lens = cu[:-1], cu[1:] - cu[:-1]
+        C = T // _CHUNK + N if N else 0
+    counts = (lens + _CHUNK - 1) // _CHUNK
+    first = torch.cumsum(counts, 0) - counts
+    c = torch.arange(C, dtype=torch.long, device=device)
+    # The sequence whose chunks hold chunk c: the last one starting at or before it (an empty one
+    # starts where the next does, and loses the tie); past the last chunk, the last sequence, whose
+    # length leaves those chunks empty.
+    seq = (torch.searchsorted(first, c, right=True) - 1).clamp_min(0)
+    j = c - first[seq]
+    length = (lens[seq] - j * _CHUNK).clamp(0, _CHUNK).to(torch.int32)
+    return starts[seq] + j * _CHUNK, length, first, counts.to(torch.int32), N, C
 
 
 def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
@@ -444,11 +462,11 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
 
     The per-chunk kernel writes every chunk's state map (D, B) and Y = Pᵀ dO; the two scans over
     chunks give the states at chunk starts and the gradients of the states after chunks; the
-    per-chunk kernel's second pass then writes every token's gradients."""
+    per-chunk kernel's second pass then writes every token's gradients. Nothing is read back to the
+    host (the chunk layout is built on the device)."""
     B, T, HV, K = qp.shape
     V = v.shape[-1]
     rows = B * T
-    bos, length, N, J = _kernel_chunks(B, T, opts.cu_seqlens, opts.cu_seqlens_cpu, qp.device)
     f32 = torch.float32
 
     def flat(x, d):
@@ -457,17 +475,15 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     q32, k32, v32, g32 = flat(qp, K), flat(kp, K), flat(v, V), flat(gp, K)
     b32 = bp.reshape(rows, HV).to(f32).contiguous()
     dO = torch.zeros(rows, HV, V, dtype=f32, device=qp.device) if do is None else flat(do, V)
-    if J == 0:  # no token: the initial state's gradient is the final state's
+    bos, length, seq_first, seq_chunks, N, C = _kernel_chunks(B, T, opts.cu_seqlens, qp.device)
+    if C == 0 or rows == 0:  # no token: the initial state's gradient is the final state's
         return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
     D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
-    D, Bm, Y = (x.view(J, N * HV, K, x.shape[-1]) for x in (D, Bm, Y))
-    (states,) = _ext.chunk_state_scan_op(D, Bm, S0.reshape(N * HV, K, V).contiguous(), False)
+    (states,) = _ext.chunk_state_scan_op(D, Bm, S0.contiguous(), seq_first, seq_chunks, False)
     del Bm  # each map is freed once its scan is done: the gradients pass's outputs take its place
-    nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.reshape(N * HV, K, V).contiguous(), True)
+    nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.contiguous(), seq_first, seq_chunks, True)
     del D, Y
-    dS0 = dS0.view(N, HV, K, V)
-    dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1,
-                                                  states.view(J * N, HV, K, V), nexts.view(J * N, HV, K, V),
+    dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1, states, nexts,
                                                   opts.cu_seqlens is None)  # without cu_seqlens, every token
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),
             db.view(B, T, HV), dS0)

@@ -49,22 +49,24 @@ def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, 
     return [tokens(x) for x in grads[:4]] + [tokens(grads[4][..., None])[..., 0]]
 
 
-def state_scan_reference(maps, offsets, start, reverse):
-    """What ``torch.ops.flashkda.chunk_state_scan`` computes (chunk_bwd_params.h)."""
-    J = maps.shape[0]
-    out = start.new_empty(J, *start.shape)
-    if not reverse:
-        if J:
-            out[0] = start
-        for j in range(J - 1):
-            out[j + 1] = maps[j] @ out[j] + offsets[j]
-        return [out]
-    if J == 0:
-        return [out, start.clone()]
-    out[J - 1] = start
-    for j in range(J - 1, 0, -1):
-        out[j - 1] = maps[j].transpose(-1, -2) @ out[j] + offsets[j]
-    return [out, maps[0].transpose(-1, -2) @ out[0] + offsets[0]]
+def state_scan_reference(maps, offsets, start, seq_first, seq_chunks, reverse):
+    """What ``torch.ops.flashkda.chunk_state_scan`` computes (chunk_bwd_params.h): sequence n's
+    chunks are ``seq_chunks[n]`` entries from ``seq_first[n]``; entries of no sequence stay zero."""
+    out = torch.zeros_like(maps)
+    first_grad = start.clone()
+    for n, (f, J) in enumerate(zip(seq_first.tolist(), seq_chunks.tolist())):
+        if J == 0:
+            continue
+        if not reverse:
+            out[f] = start[n]
+            for j in range(J - 1):
+                out[f + j + 1] = maps[f + j] @ out[f + j] + offsets[f + j]
+            continue
+        out[f + J - 1] = start[n]
+        for j in range(J - 1, 0, -1):
+            out[f + j - 1] = maps[f + j].transpose(-1, -2) @ out[f + j] + offsets[f + j]
+        first_grad[n] = maps[f].transpose(-1, -2) @ out[f] + offsets[f]
+    return [out, first_grad] if reverse else [out]
 
 
 def _ref_options(scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval) -> ag.ChunkOptions:
@@ -116,10 +118,10 @@ def _problem(lens, HV, K, device, dtype, seed, decay=5.0):
     g = -decay * torch.rand(rows, HV, K, generator=gen, dtype=torch.float64)
     beta = torch.rand(rows, HV, generator=gen, dtype=torch.float64)
     v, dO = rnd(rows, HV, K), rnd(rows, HV, K)
-    bos, length, N, J = ag._kernel_chunks(1, rows, torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]),
-                                          None, device)
+    bos, length, _, _, _, C = ag._kernel_chunks(1, rows, torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]),
+                                                device)
     tensors = [x.to(device, dtype) for x in (q, k, v, g, beta, dO)]
-    return tensors, bos, length, J * N
+    return tensors, bos, length, C
 
 
 KERNEL_GLUE_CASES = {
@@ -169,11 +171,18 @@ def test_spans_within(shape):
 
 
 def test_kernel_chunks_layout():
-    """Chunk j * N + n is the j-th of sequence n; chunks past a sequence's end are empty."""
-    bos, length, N, J = ag._kernel_chunks(1, 300, torch.tensor([0, 70, 70, 300]), None, "cpu")
-    assert (N, J) == (3, 4)
-    assert bos.view(J, N)[:, 2].tolist() == [70, 134, 198, 262]
-    assert length.view(J, N).tolist() == [[64, 0, 64], [6, 0, 64], [0, 0, 64], [0, 0, 38]]
+    """Every sequence's chunks are consecutive (empty sequences have none), their count and first
+    known on the device only; the layout has T // 64 + N entries, the ones past the last chunk
+    empty."""
+    bos, length, first, count, N, C = ag._kernel_chunks(1, 300, torch.tensor([0, 70, 70, 300]), "cpu")
+    assert (N, C) == (3, 300 // 64 + 3)
+    assert first.tolist() == [0, 2, 2] and count.tolist() == [2, 0, 4]
+    assert bos[:6].tolist() == [0, 64, 70, 134, 198, 262]
+    assert length.tolist() == [64, 6, 64, 64, 64, 38, 0]
+    bos, length, first, count, N, C = ag._kernel_chunks(2, 130, None, "cpu")  # fixed length: exact
+    assert (N, C) == (2, 6) and bos.tolist() == [0, 64, 128, 130, 194, 258] and length.tolist() == [64, 64, 2] * 2
+    _, length, first, count, N, C = ag._kernel_chunks(1, 65, torch.tensor([0, 0, 64, 65, 65]), "cpu")
+    assert first.tolist() == [0, 0, 1, 2] and count.tolist() == [0, 1, 1, 0] and length.tolist() == [64, 1, 0, 0, 0]
 
 
 cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
@@ -213,21 +222,28 @@ def test_kernel_passes_match_reference(decay):
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
-@pytest.mark.parametrize("J", [1, 2, 37])
-def test_state_scan_matches_reference(J, reverse):
-    """Both scans against fp64, maps like the chunks' (eigenvalues within the unit disc: decay on
-    the diagonal, a small product off it), 5 (sequence, head) pairs."""
-    gen = torch.Generator().manual_seed(J)
-    K = 128
-    maps = torch.diag_embed(torch.rand(J, 5, K, generator=gen, dtype=torch.float64)) \
-        - 0.02 * torch.randn(J, 5, K, K, generator=gen, dtype=torch.float64)
-    offsets = torch.randn(J, 5, K, K, generator=gen, dtype=torch.float64)
-    start = torch.randn(5, K, K, generator=gen, dtype=torch.float64)
-    got = _ext.chunk_state_scan_op(maps.float().cuda(), offsets.float().cuda(), start.float().cuda(), reverse)
-    want = state_scan_reference(maps, offsets, start, reverse)
+@pytest.mark.parametrize("counts", [[1], [2, 0, 1], [37, 3, 0, 12]], ids=["one", "short", "long"])
+def test_state_scan_matches_reference(counts, reverse):
+    """Both scans against fp64 on sequences of the given chunk counts (0: an empty sequence, whose
+    start passes through), two spare entries past the last chunk, 3 value heads; maps like the
+    chunks' (eigenvalues within the unit disc: decay on the diagonal, a small product off it)."""
+    gen = torch.Generator().manual_seed(sum(counts))
+    K, HV = 128, 3
+    C = sum(counts) + 2
+    maps = torch.diag_embed(torch.rand(C, HV, K, generator=gen, dtype=torch.float64)) \
+        - 0.02 * torch.randn(C, HV, K, K, generator=gen, dtype=torch.float64)
+    offsets = torch.randn(C, HV, K, K, generator=gen, dtype=torch.float64)
+    start = torch.randn(len(counts), HV, K, K, generator=gen, dtype=torch.float64)
+    first = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
+    count = torch.tensor(counts, dtype=torch.int32)
+    got = _ext.chunk_state_scan_op(maps.float().cuda(), offsets.float().cuda(), start.float().cuda(),
+                                   first.cuda(), count.cuda(), reverse)
+    want = state_scan_reference(maps, offsets, start, first, count, reverse)
     assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert rel_err(a, b) <= 1e-5
+    written = sum(counts)  # the spare entries are not written
+    assert rel_err(got[0][:written], want[0][:written]) <= 1e-5
+    if reverse:
+        assert rel_err(got[1], want[1]) <= 1e-5
 
 
 # The per-token passes: (gate mode, lower bound, l2norm, beta sigmoid, allow_neg_eigval, scalar gate,

@@ -98,15 +98,17 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
   return out;
 }
 
-// The scans over chunks on the transitions pass's maps: maps [J, NH, D, D], offsets [J, NH, D, D],
-// start [NH, D, D], all contiguous fp32. Returns [out] (forward: the states at chunk starts) or
-// [out, first] (reverse: the gradients of the states after chunks, and the initial state's).
+// The scans over chunks on the transitions pass's maps (chunk_bwd_params.h, ChunkScanParams): maps
+// and offsets [chunks, HV, D, D], start [N, HV, D, D], all contiguous fp32; seq_first (int64) and
+// seq_chunks (int32) [N]. Returns [out] (forward: the states at chunk starts) or [out, first]
+// (reverse: the gradients of the states after chunks, and the initial states'); entries of out
+// that no sequence's chunk names are left as allocated.
 std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
-                                         bool reverse) {
+                                         const at::Tensor& seq_first, const at::Tensor& seq_chunks, bool reverse) {
   TORCH_CHECK(maps.is_cuda(), "flashkda: maps must be a CUDA tensor");
   const int64_t D = chunk::kHeadDim;
-  TORCH_CHECK(maps.dim() == 4 && maps.size(2) == D && maps.size(3) == D, "flashkda: maps must be [J, NH, 128, 128]");
-  const int64_t J = maps.size(0), NH = maps.size(1);
+  TORCH_CHECK(maps.dim() == 4 && maps.size(2) == D && maps.size(3) == D, "flashkda: maps must be [chunks, HV, 128, 128]");
+  const int64_t HV = maps.size(1), N = seq_first.numel();
   for (const auto& [t, name] : {std::pair{&maps, "maps"}, {&offsets, "offsets"}, {&start, "start"}}) {
     check_cuda(*t, maps, name);
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
@@ -114,8 +116,13 @@ std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tenso
                 "flashkda: ", name, " must be contiguous, 16-byte aligned float32");
   }
   TORCH_CHECK(offsets.sizes() == maps.sizes(), "flashkda: offsets must have the shape of maps");
-  TORCH_CHECK(start.dim() == 3 && start.size(0) == NH && start.size(1) == D && start.size(2) == D,
-              "flashkda: start must be [NH, 128, 128]");
+  TORCH_CHECK(start.dim() == 4 && start.size(0) == N && start.size(1) == HV && start.size(2) == D && start.size(3) == D,
+              "flashkda: start must be [N, HV, 128, 128] with N = seq_first's length");
+  check_cuda(seq_first, maps, "seq_first");
+  check_cuda(seq_chunks, maps, "seq_chunks");
+  TORCH_CHECK(seq_first.scalar_type() == at::kLong && seq_chunks.scalar_type() == at::kInt && seq_first.dim() == 1 &&
+                  seq_first.is_contiguous() && seq_chunks.is_contiguous() && seq_chunks.sizes() == seq_first.sizes(),
+              "flashkda: seq_first (int64) and seq_chunks (int32) must be contiguous [N] tensors");
   std::vector<at::Tensor> out{at::empty_like(maps)};
   if (reverse) out.push_back(at::empty_like(start));
   ChunkScanParams p{};
@@ -124,11 +131,12 @@ std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tenso
   p.start = start.data_ptr<float>();
   p.out = out[0].data_ptr<float>();
   p.first = reverse ? out[1].data_ptr<float>() : nullptr;
-  p.J = J;
-  p.NH = NH;
+  p.seq_first = seq_first.data_ptr<int64_t>();
+  p.seq_chunks = seq_chunks.data_ptr<int32_t>();
+  p.N = N;
+  p.HV = int32_t(HV);
   p.reverse = reverse;
   const c10::cuda::CUDAGuard guard(maps.device());
-  if (reverse && J == 0) out[1].copy_(start);
   const cudaError_t err = run_chunk_state_scan(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_state_scan launch failed: ", cudaGetErrorString(err));
   return out;

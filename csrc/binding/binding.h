@@ -119,7 +119,7 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          const std::optional<at::Tensor>& states,
                                          const std::optional<at::Tensor>& dstates, bool every_token);
 std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
-                                         bool reverse);
+                                         const at::Tensor& seq_first, const at::Tensor& seq_chunks, bool reverse);
 std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,

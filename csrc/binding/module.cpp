@@ -29,7 +29,9 @@ TORCH_LIBRARY(flashkda, m) {
   m.def(
       "chunk_local_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor dO, Tensor chunk_bos, "
       "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None, bool every_token=False) -> Tensor[]");
-  m.def("chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, bool reverse) -> Tensor[]");
+  m.def(
+      "chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, Tensor seq_first, Tensor seq_chunks, "
+      "bool reverse) -> Tensor[]");
   m.def(
       "chunk_bwd_inputs(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "float scale, int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) "

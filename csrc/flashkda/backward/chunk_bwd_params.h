@@ -59,16 +59,22 @@ struct ChunkBwdParams {
   float* dbeta;  // [rows, HV]
 };
 
-// The two scans over chunks (chunk_state_scan.cuh), on the transitions pass's maps, for NH
-// (sequence, value head) pairs, chunk j of pair h at matrix j * NH + h.
+// The two scans over chunks (chunk_state_scan.cuh), on the transitions pass's maps, for N
+// sequences of HV value heads: sequence n's chunks are seq_chunks[n] consecutive entries from
+// seq_first[n], chunk c of head hv at matrix c * HV + hv (entries of no sequence are not read or
+// written).
 struct ChunkScanParams {
-  const float* maps;     // [J, NH, D, D] D_j (D = chunk::kHeadDim)
-  const float* offsets;  // [J, NH, D, D] B_j (forward) or Y_j (reverse)
-  const float* start;    // [NH, D, D] S_0 (forward) or G_{J-1} (reverse)
-  float* out;            // [J, NH, D, D] forward: S_0 .. S_{J-1}; reverse: G_0 .. G_{J-1}
-  float* first;          // reverse: [NH, D, D] the initial state's gradient D_0ᵀ G_0 + Y_0
-  int64_t J;             // chunks of the longest sequence
-  int64_t NH;            // sequences x value heads
+  const float* maps;     // [chunks, HV, D, D] D_c (D = chunk::kHeadDim)
+  const float* offsets;  // [chunks, HV, D, D] B_c (forward) or Y_c (reverse)
+  const float* start;    // [N, HV, D, D] S_0 (forward) or the final state's gradient (reverse)
+  float* out;            // [chunks, HV, D, D] forward: the state at each chunk's start; reverse: the
+                         // gradient of the state after each chunk
+  float* first;          // reverse: [N, HV, D, D] the initial state's gradient D_0ᵀ G_0 + Y_0 (the
+                         // final state's gradient for a sequence without chunks)
+  const int64_t* seq_first;   // [N]
+  const int32_t* seq_chunks;  // [N]
+  int64_t N;
+  int32_t HV;
   bool reverse;
 };
 

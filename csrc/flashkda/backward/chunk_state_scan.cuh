@@ -57,20 +57,24 @@ __global__ void __launch_bounds__(kThreads) chunk_state_scan_kernel(const ChunkS
   using Acc = sm80::FragAcc;
   constexpr int kStride = kMapStride<kReverse>;
   const int lane = threadIdx.x & 31, m0 = (threadIdx.x >> 5) * 16;
-  const int64_t nh = blockIdx.x, col0 = int64_t(blockIdx.y) * kScanCols;
+  const int64_t nh = blockIdx.x, seq = nh / p.HV, col0 = int64_t(blockIdx.y) * kScanCols;
+  const int hv = int(nh - seq * p.HV);
   constexpr int64_t kMat = int64_t(kHeadDim) * kHeadDim;
-  auto matrix = [&](int64_t j) { return (j * p.NH + nh) * kMat; };
+  const int64_t first_chunk = p.seq_first[seq], J = p.seq_chunks[seq];
+  auto matrix = [&](int64_t j) { return ((first_chunk + j) * p.HV + hv) * kMat; };  // the sequence's j-th
   // The element (row, column) of the slice that accumulator value i of column tile n holds.
   auto acc_row = [&](int i) { return m0 + Acc::m(lane, i); };
   auto acc_col = [&](int n, int i) { return n * 8 + Acc::n(lane, i); };
   // Chunk order: forward j = 0 .. J-2 writes out[j + 1]; reverse j = J-1 .. 0 writes out[j - 1]
-  // (first, for j = 0).
-  const int64_t steps = kReverse ? p.J : p.J - 1;
-  auto chunk_of = [&](int64_t s) { return kReverse ? p.J - 1 - s : s; };
+  // (first, for j = 0). A sequence without chunks passes its start through (reverse: to first).
+  if (J == 0 && !kReverse) return;
+  const int64_t steps = kReverse ? J : J - 1;
+  auto chunk_of = [&](int64_t s) { return kReverse ? J - 1 - s : s; };
+  float* start_dst = J == 0 ? p.first + nh * kMat : p.out + matrix(kReverse ? J - 1 : 0);
   for (int i = threadIdx.x; i < kHeadDim * kScanCols / 4; i += kThreads) {
     const int r = i / (kScanCols / 4), c = (i % (kScanCols / 4)) * 4;
     const float4 v = __ldg(reinterpret_cast<const float4*>(p.start + nh * kMat + r * kHeadDim + col0 + c));
-    *reinterpret_cast<float4*>(p.out + matrix(kReverse ? p.J - 1 : 0) + r * kHeadDim + col0 + c) = v;
+    *reinterpret_cast<float4*>(start_dst + r * kHeadDim + col0 + c) = v;
     *reinterpret_cast<float4*>(sm.x + r * kSliceStride + c) = v;
   }
   if (steps > 0) stage_map<kReverse>(sm.map[0], p.maps + matrix(chunk_of(0)));
@@ -138,14 +142,14 @@ cudaError_t launch_chunk_state_scan(const ChunkScanParams& p, cudaStream_t strea
   const cudaError_t err =
       cudaFuncSetAttribute(chunk_state_scan_kernel<kReverse>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
-  chunk_state_scan_kernel<kReverse><<<dim3(unsigned(p.NH), kHeadDim / kScanCols), kThreads, bytes, stream>>>(p);
+  chunk_state_scan_kernel<kReverse><<<dim3(unsigned(p.N * p.HV), kHeadDim / kScanCols), kThreads, bytes, stream>>>(p);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t run_chunk_state_scan(const ChunkScanParams& p, cudaStream_t stream) {
-  if (p.J == 0 || p.NH == 0) return cudaSuccess;
+  if (p.N == 0 || p.HV == 0) return cudaSuccess;
   return p.reverse ? launch_chunk_state_scan<true>(p, stream) : launch_chunk_state_scan<false>(p, stream);
 }
 
