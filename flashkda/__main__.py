@@ -84,6 +84,7 @@ def describe() -> list:
         backward = ("the backward's kernels (chunk_local_grad, chunk_state_scan) for K = V = 128 and gates whose "
                     "log decay over 16 tokens stays within their span, a PyTorch backward otherwise"
                     if bwd_short is None else f"a PyTorch backward ({bwd_short})")
+        backward += "; the per-token preprocessing and its gradients on chunk_bwd_tokens (K = V = 128)"
         lines.append(f"{head}, kernel family {family}:")
         lines += [f"  prefill: {prefill}", f"  decode: {decode}", f"  training: the kernels' forward; {backward}",
                   "  other head sizes, float64: the PyTorch reference"]
