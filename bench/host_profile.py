@@ -25,6 +25,7 @@ from unittest import mock
 import torch
 
 import flashkda
+from flashkda import _constants as C
 from flashkda import _ext, api
 from test_decode import _inputs
 from test_prefill import KDA_FLAGS
@@ -48,7 +49,7 @@ def fast_args(call, entry="_fast"):
 def binding_args(kw, out):
     """The prepared arguments that the general path passes to ``_C.recurrent_fwd`` for the same call."""
     return (*(kw[n] for n in NAMES), kw["A_log"], kw["dt_bias"], None, None, kw["initial_state"],
-            kw["ssm_state_indices"], None, out, 128 ** -0.5, api.GATE_LOWER_BOUND, -5.0, True, True, False, True)
+            kw["ssm_state_indices"], None, out, 128 ** -0.5, C.GATE_LOWER_BOUND, -5.0, True, True, False, True)
 
 
 def validate(kw, out):

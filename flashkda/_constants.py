@@ -24,3 +24,10 @@ CHUNK_STATE_TOKENS = 64
 #: How the log decay is obtained from g (csrc/flashkda/common/recurrent_params.h, GateMode): g as
 #: given, ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``, ``-exp(A_log) * softplus(g + dt_bias)``.
 GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = 0, 1, 2
+
+
+def gate_mode(use_gate_in_kernel: bool, lower_bound) -> int:
+    """The gate mode of a call's ``use_gate_in_kernel`` and ``lower_bound``."""
+    if not use_gate_in_kernel:
+        return GATE_PRECOMPUTED
+    return GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND

@@ -32,6 +32,14 @@ import torch
 
 log = logging.getLogger("flashkda")
 
+#: Element types the kernels read (q, k, v, g, beta, the gate parameters); float64 takes the reference.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a contiguous copy when its last dimension is strided (the kernels read rows)."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")

@@ -26,11 +26,9 @@ from flashkda.reference import kda_reference
 __all__ = ["chunk_kda", "fused_recurrent_kda", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
 
 _FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_KERNEL_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_TYPES = (torch.float32, torch.bfloat16, torch.float64)
 _INDEX_TYPES = (torch.int32, torch.int64)
 
-GATE_PRECOMPUTED, GATE_LOWER_BOUND, GATE_SOFTPLUS = C.GATE_PRECOMPUTED, C.GATE_LOWER_BOUND, C.GATE_SOFTPLUS
 
 #: ``flashkda._C.fused_recurrent`` (None without the extension): the public ``fused_recurrent_*``
 #: arguments, positional, plus ``scalar_gate``. It applies every rule of :func:`_validate` and
@@ -219,10 +217,7 @@ def _validate(
     p.B, p.T, p.H, p.HV, p.K, p.V, p.N = B, T, H, HV, K, V, N
     p.scalar_gate = scalar_gate
     p.scale = float(K ** -0.5 if scale is None else scale)
-    if not use_gate_in_kernel:
-        p.gate_mode = GATE_PRECOMPUTED
-    else:
-        p.gate_mode = GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND
+    p.gate_mode = C.gate_mode(use_gate_in_kernel, lower_bound)
     p.serving = serving
     return p
 
@@ -252,7 +247,7 @@ def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) 
         return shortfall
     if p.K != p.V or p.K not in C.KERNEL_HEAD_DIMS:
         return f"head dims K={p.K}, V={p.V} (kernels: K == V in {C.KERNEL_HEAD_DIMS})"
-    if q.dtype not in _KERNEL_TYPES:
+    if q.dtype not in _ext.KERNEL_DTYPES:
         return "float64 inputs"
     if initial_state is not None and initial_state.dtype not in (torch.float32, torch.bfloat16):
         return f"initial_state dtype {initial_state.dtype}"
@@ -288,10 +283,6 @@ def _pool_layout(pool: torch.Tensor, name: str) -> None:
         raise ValueError(f"flashkda: the state pool {name}: {why}")
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
-
-
 def _kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """A gate parameter as the kernels read it: contiguous (any shape of the right size; the kernels
     index it flat), in its own dtype; float64, which the kernels do not read, as a float32 copy."""
@@ -302,7 +293,7 @@ def _kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _gate_params(p: _Problem, A_log, dt_bias):
     """A_log / dt_bias as the kernels take them: dropped for a precomputed gate, else _kernel_param."""
-    if p.gate_mode == GATE_PRECOMPUTED:
+    if p.gate_mode == C.GATE_PRECOMPUTED:
         return None, None
     return _kernel_param(A_log), _kernel_param(dt_bias)
 
@@ -320,8 +311,8 @@ def _states(p: _Problem, initial_state, output_final_state, state_v_first, devic
 def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state,
                           output_final_state, l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first,
                           ssm_state_indices, num_accepted_tokens, out):
-    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    g, beta = _last_dim_contiguous(_kernel_float(g)), _last_dim_contiguous(_kernel_float(beta))
+    q, k, v = _ext.last_dim_contiguous(q), _ext.last_dim_contiguous(k), _ext.last_dim_contiguous(v)
+    g, beta = _ext.last_dim_contiguous(_kernel_float(g)), _ext.last_dim_contiguous(_kernel_float(beta))
     o = out if out is not None else torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     if cu_seqlens is not None:
@@ -359,8 +350,8 @@ def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
                       chunk_state_slots=None, ssm_state_indices=None, has_initial_state=None):
     # q, k, v and a per-channel g whose rows do not start on 16 bytes: the binding reads a copy.
     g = _kernel_float(g)
-    g = g if g.dim() == 4 else _last_dim_contiguous(g)
-    beta = _last_dim_contiguous(_kernel_float(beta))
+    g = g if g.dim() == 4 else _ext.last_dim_contiguous(g)
+    beta = _ext.last_dim_contiguous(_kernel_float(beta))
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     if p.serving:  # the pool is read and written in place

@@ -576,10 +576,8 @@ def _token_kernels_serve(q, k, v, g, beta, A_log, dt_bias) -> bool:
     """Whether the per-token CUDA kernels (``chunk_bwd_inputs`` / ``chunk_bwd_input_grads``) take the
     preprocessing and its gradients: CUDA inputs, the kernels' head dim, dtypes they read."""
     return (q.is_cuda and _ext.HAS_EXTENSION and q.shape[-1] == C.CHUNK_HEAD_DIM and v.shape[-1] == C.CHUNK_HEAD_DIM
-            and q.dtype == k.dtype and all(t is None or t.dtype in _KERNEL_FLOATS for t in (q, g, beta, A_log, dt_bias)))
-
-
-_KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+            and q.dtype == k.dtype == v.dtype
+            and all(t is None or t.dtype in _ext.KERNEL_DTYPES for t in (q, g, beta, A_log, dt_bias)))
 
 
 def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
@@ -587,16 +585,6 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
     groups of four), else a contiguous copy."""
     ok = x.stride(-1) == 1 and all(s % 4 == 0 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0
     return x if ok else x.contiguous()
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
-
-
-def _gate_mode(opts: ChunkOptions) -> int:
-    if not opts.use_gate_in_kernel:
-        return C.GATE_PRECOMPUTED
-    return C.GATE_SOFTPLUS if opts.lower_bound is None else C.GATE_LOWER_BOUND
 
 
 def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
@@ -611,11 +599,12 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     group = HV // H
     tokens = _token_kernels_serve(q, k, v, g, beta, gate_A, gate_dt)
     if tokens:  # one pass over the raw inputs on the GPU, q̂ and k̂ per value head
-        raw = (_rows_aligned(q), _rows_aligned(k), v, _rows_aligned(g) if g.dim() == 4 else _last_dim_contiguous(g),
-               _last_dim_contiguous(beta), None if gate_A is None else gate_A.contiguous(),
-               None if gate_dt is None else gate_dt.contiguous())
-        flags = (opts.scale, _gate_mode(opts), opts.lower_bound if opts.lower_bound is not None else 0.0,
-                 opts.use_qk_l2norm_in_kernel, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
+        g_rows = _rows_aligned(g) if g.dim() == 4 else _ext.last_dim_contiguous(g)
+        raw = (_rows_aligned(q), _rows_aligned(k), v, g_rows, _ext.last_dim_contiguous(beta),
+               None if gate_A is None else gate_A.contiguous(), None if gate_dt is None else gate_dt.contiguous())
+        flags = (opts.scale, C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound),
+                 opts.lower_bound if opts.lower_bound is not None else 0.0, opts.use_qk_l2norm_in_kernel,
+                 opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
         qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
         gate = gp[..., 0] if g.dim() == 3 else gp  # a scalar gate's spans are its head's
     else:

@@ -80,26 +80,26 @@ def build_context(cu_seqlens: torch.Tensor, group: Optional[Any] = None,
                      pre_num_ranks=pre, post_num_ranks=post, is_first_rank=pre == 0, is_last_rank=post == 0)
 
 
+def _for_collective(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` as a collective on ``group`` takes it: contiguous, and in host memory on a gloo group
+    (which is for CPU tensors: ranks sharing one GPU, tests)."""
+    return (t.cpu() if t.is_cuda and dist.get_backend(group) == "gloo" else t).contiguous()
+
+
 def _gather(t: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's ``t``, stacked ``[world, ...]``, by one all-gather (through host memory on a gloo
-    group, which is for CPU tensors: ranks sharing one GPU, tests)."""
-    device = t.device
-    if t.is_cuda and dist.get_backend(group) == "gloo":
-        t = t.cpu()
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, t.contiguous(), group=group)
-    return torch.stack(out).to(device)
+    """Every rank's ``t``, stacked ``[world, ...]``, by one all-gather."""
+    x = _for_collective(t, group)
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, x, group=group)
+    return torch.stack(out).to(t.device)
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
-    """``t`` summed over the ranks, by one all-reduce (through host memory on a gloo group)."""
-    if t.is_cuda and dist.get_backend(group) == "gloo":
-        host = t.cpu()
-        dist.all_reduce(host, group=group)
-        return host.to(t.device)
-    t = t.contiguous()
-    dist.all_reduce(t, group=group)
-    return t
+    """``t`` summed over the ranks, by one all-reduce (in place where ``t`` is already what the
+    collective takes)."""
+    x = _for_collective(t, group)
+    dist.all_reduce(x, group=group)
+    return x.to(t.device)
 
 
 def _fold(everyone: torch.Tensor, s0: int, rank: int, V: int) -> list:
@@ -130,12 +130,12 @@ class _IncomingState(torch.autograd.Function):
     def forward(ctx, o, through, mine, group, first: int, pre: int, V: int):
         everyone = _gather(mine, group)
         rank = dist.get_rank(group)
-        out = o.clone()
-        if pre > 0:
-            _add_incoming(out, through, _fold(everyone, rank - pre, rank, V)[-1], first)
+        if pre > 0:  # o in place (no copy of a rank's outputs): its gradient passes through unchanged
+            _add_incoming(o, through, _fold(everyone, rank - pre, rank, V)[-1], first)
+        ctx.mark_dirty(o)
         ctx.save_for_backward(through if pre > 0 else None, everyone)
         ctx.group, ctx.first, ctx.pre, ctx.V, ctx.rank = group, first, pre, V, rank
-        return out
+        return o
 
     @staticmethod
     def backward(ctx, dout):

@@ -150,34 +150,22 @@ void check_raw_tokens(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
                       const std::optional<at::Tensor>& dt_bias) {
   TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
+  check_token_tensors(q, k, v, g, beta, A_log, dt_bias, std::nullopt, v);  // the forward's (v stands for o)
   const int64_t D = chunk::kHeadDim;
-  TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && q.size(3) == D && v.dim() == 4 && v.size(0) == q.size(0) &&
-                  v.size(1) == q.size(1) && v.size(3) == D && v.size(2) % q.size(2) == 0,
+  TORCH_CHECK(q.sizes() == k.sizes() && q.size(3) == D && v.size(0) == q.size(0) && v.size(1) == q.size(1) &&
+                  v.size(2) % q.size(2) == 0,
               "flashkda: q, k must be [B, T, H, 128] and v [B, T, HV, 128]");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && kernel_elem(q.scalar_type()),
-              "flashkda: q and k must share one dtype (float32, bfloat16 or float16)");
   const bool scalar_gate = g.dim() == 3;
   TORCH_CHECK((scalar_gate || (g.dim() == 4 && g.size(3) == D)) && g.size(0) == q.size(0) && g.size(1) == q.size(1) &&
                   g.size(2) == v.size(2),
               "flashkda: g must be [B, T, HV, 128] or [B, T, HV]");
   TORCH_CHECK(beta.dim() == 3 && beta.size(0) == q.size(0) && beta.size(1) == q.size(1) && beta.size(2) == v.size(2),
               "flashkda: beta must be [B, T, HV]");
-  for (const auto& [t, name] : {std::pair{&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}}) check_cuda(*t, q, name);
-  for (const auto* t : {&g, &beta}) {
-    TORCH_CHECK(kernel_elem(t->scalar_type()) && last_dim_contiguous(*t),
-                "flashkda: g and beta must be float32, bfloat16 or float16, contiguous in their last dim");
-  }
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&g, "g"}}) {
     if (t == &g && scalar_gate) continue;
-    TORCH_CHECK(t->stride(3) == 1 && t->stride(0) % 4 == 0 && t->stride(1) % 4 == 0 && t->stride(2) % 4 == 0 &&
+    TORCH_CHECK(t->stride(0) % 4 == 0 && t->stride(1) % 4 == 0 && t->stride(2) % 4 == 0 &&
                     reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                 "flashkda: ", name, " must have 16-byte aligned rows of 128 contiguous elements");
-  }
-  for (const auto& [t, name] : {std::pair{opt(A_log), "A_log"}, std::pair{opt(dt_bias), "dt_bias"}}) {
-    if (t == nullptr) continue;
-    check_cuda(*t, q, name);
-    TORCH_CHECK(kernel_elem(t->scalar_type()) && t->is_contiguous(), "flashkda: ", name,
-                " must be contiguous float32, bfloat16 or float16");
   }
   TORCH_CHECK(!A_log.has_value() || A_log->numel() == v.size(2), "flashkda: A_log must have HV elements");
   TORCH_CHECK(!dt_bias.has_value() || dt_bias->numel() == v.size(2) * (scalar_gate ? 1 : D),

@@ -35,44 +35,11 @@ constexpr int kPerLane = kHeadDim / 32;
 constexpr int kRowsPerWarp = kBwdTokenTileRows / kWarps;
 static_assert(kPerLane == 4 && kBwdTokenTileRows % kWarps == 0, "a lane: four channels; a tile: whole warps");
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 // Element offset of (token row, head) in a [B, T, heads, ...] tensor with these strides.
 __device__ __forceinline__ int64_t token_offset(int64_t row, int T, int64_t batch_stride, int64_t token_stride,
                                                 int64_t head_stride, int head) {
   const int64_t b = row / T;
   return b * batch_stride + (row - b * T) * token_stride + head * head_stride;
-}
-
-__device__ __forceinline__ const void* elem_ptr(const void* base, DType dt, int64_t i) {
-  return static_cast<const char*>(base) + i * dtype_bytes(dt);
-}
-
-__device__ __forceinline__ void store_any(void* p, DType dt, int64_t i, float x) {
-  switch (dt) {
-    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
-    default: static_cast<float*>(p)[i] = x;
-  }
-}
-
-// Four consecutive values in dtype dt at element i (aligned to four elements).
-__device__ __forceinline__ void store_any4(void* p, DType dt, int64_t i, const float (&x)[4]) {
-  if (dt == DType::kFloat32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(p) + i) = make_float4(x[0], x[1], x[2], x[3]);
-  } else if (dt == DType::kBFloat16) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
-    *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p) + i) =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-  } else {
-    const __half2 a = __floats2half2_rn(x[0], x[1]), b = __floats2half2_rn(x[2], x[3]);
-    *reinterpret_cast<uint2*>(static_cast<__half*>(p) + i) =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-  }
 }
 
 // The lane's four channels of q or k at (row, head h), as floats.
@@ -81,7 +48,7 @@ __device__ __forceinline__ void load_qk(const ChunkBwdTokenParams& p, bool is_k,
   const RecurrentParams& t = p.tok;
   const int64_t off = is_k ? token_offset(row, t.T, t.k_batch_stride, t.k_token_stride, t.k_head_stride, h)
                            : token_offset(row, t.T, t.q_batch_stride, t.q_token_stride, t.q_head_stride, h);
-  load_any_vec<4>(elem_ptr(is_k ? t.k : t.q, p.qk_dtype, off + c0), p.qk_dtype, x);
+  load_any_vec<4>(element_at(is_k ? t.k : t.q, p.qk_dtype, off + c0), p.qk_dtype, x);
 }
 
 // The raw gate of (row, hv): the lane's four channels, or (scalar gate) the head's value in all four.
@@ -91,7 +58,7 @@ __device__ __forceinline__ void load_gate(const ChunkBwdTokenParams& p, int64_t 
   if (t.scalar_gate) {
     x[0] = x[1] = x[2] = x[3] = load_any(t.g, t.g_dtype, off);
   } else {
-    load_any_vec<4>(elem_ptr(t.g, t.g_dtype, off + c0), t.g_dtype, x);
+    load_any_vec<4>(element_at(t.g, t.g_dtype, off + c0), t.g_dtype, x);
   }
 }
 
@@ -99,8 +66,8 @@ __device__ __forceinline__ void load_gate(const ChunkBwdTokenParams& p, int64_t 
 __device__ __forceinline__ void load_bias(const RecurrentParams& t, int hv, int c0, float (&b)[4]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    b[e] = t.dt_bias == nullptr ? 0.f
-                                : load_any(t.dt_bias, t.dt_bias_dtype, t.scalar_gate ? hv : int64_t(hv) * kHeadDim + c0 + e);
+    const int64_t i = t.scalar_gate ? hv : int64_t(hv) * kHeadDim + c0 + e;
+    b[e] = t.dt_bias == nullptr ? 0.f : load_any(t.dt_bias, t.dt_bias_dtype, i);
   }
 }
 
@@ -121,7 +88,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkB
     float x[4];
     load_qk(p, is_k, row, h, c0, x);
     float f = is_k ? 1.f : t.scale;
-    if (t.l2norm) f *= rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+    if (t.l2norm) f *= rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
 #pragma unroll
     for (int e = 0; e < 4; ++e) x[e] *= f;
     store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, x);
@@ -159,15 +126,15 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_qk_grads_kernel(const Chun
     if (t.l2norm) {
       float x[4];
       load_qk(p, is_k, row, h, c0, x);
-      const float r = rsqrtf(warp_sum(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+      const float r = rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
       float y[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) y[e] = x[e] * r;
-      const float dot = warp_sum(dy[0] * y[0] + dy[1] * y[1] + dy[2] * y[2] + dy[3] * y[3]);
+      const float dot = group_sum<32>(dy[0] * y[0] + dy[1] * y[1] + dy[2] * y[2] + dy[3] * y[3]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dy[e] = r * (dy[e] - y[e] * dot);
     }
-    store_any4(is_k ? p.dk : p.dq, p.qk_dtype, (row * t.H + h) * kHeadDim + c0, dy);
+    store_any_vec4(element_at(is_k ? p.dk : p.dq, p.qk_dtype, (row * t.H + h) * kHeadDim + c0), p.qk_dtype, dy);
   }
 }
 
@@ -216,7 +183,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
     float dy[4], raw[4], x[4], dx[4], da = 0.f;
     load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dy);
     if (t.scalar_gate) {  // one decay for every channel: its gradient is their sum
-      dy[0] = warp_sum(dy[0] + dy[1] + dy[2] + dy[3]);
+      dy[0] = group_sum<32>(dy[0] + dy[1] + dy[2] + dy[3]);
       dy[1] = dy[2] = dy[3] = 0.f;
     }
     load_gate(p, row, hv, c0, raw);
@@ -230,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
     if (t.scalar_gate) {
       if (lane == 0) store_any(p.dg, t.g_dtype, row * t.HV + hv, dx[0]);
     } else {
-      store_any4(p.dg, t.g_dtype, (row * t.HV + hv) * kHeadDim + c0, dx);
+      store_any_vec4(element_at(p.dg, t.g_dtype, (row * t.HV + hv) * kHeadDim + c0), t.g_dtype, dx);
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) sum_dx[e] += dx[e];
@@ -248,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
 #pragma unroll
   for (int e = 0; e < 4; ++e) part_dt[warp][c0 + e] = sum_dx[e];
   if (t.scalar_gate && lane != 0) sum_da = 0.f;  // every lane computed the head's one value
-  sum_da = warp_sum(sum_da);
+  sum_da = group_sum<32>(sum_da);
   if (lane == 0) part_a[warp] = sum_da;
   __syncthreads();
   const int c = threadIdx.x;

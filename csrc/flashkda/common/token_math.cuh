@@ -86,6 +86,41 @@ __device__ __forceinline__ void load_any_vec(const void* src, DType dt, float (&
   }
 }
 
+__host__ __device__ constexpr int dtype_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
+
+// x as an element of run-time dtype dt at index i (rounded to nearest).
+__device__ __forceinline__ void store_any(void* p, DType dt, int64_t i, float x) {
+  switch (dt) {
+    case DType::kBFloat16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x); break;
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(x); break;
+    default: static_cast<float*>(p)[i] = x;
+  }
+}
+
+// Four consecutive values of run-time dtype dt, one access: `dst` aligned to 4 elements (the
+// counterpart of load_any_vec<4>).
+__device__ __forceinline__ void store_any_vec4(void* dst, DType dt, const float (&x)[4]) {
+  if (dt == DType::kFloat32) {
+    *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+  } else if (dt == DType::kBFloat16) {
+    const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
+    *reinterpret_cast<uint2*>(dst) =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+  } else {
+    const __half2 a = __floats2half2_rn(x[0], x[1]), b = __floats2half2_rn(x[2], x[3]);
+    *reinterpret_cast<uint2*>(dst) =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+  }
+}
+
+// The address of element i of a tensor of run-time dtype dt.
+__device__ __forceinline__ const void* element_at(const void* base, DType dt, int64_t i) {
+  return static_cast<const char*>(base) + i * dtype_bytes(dt);
+}
+__device__ __forceinline__ void* element_at(void* base, DType dt, int64_t i) {
+  return static_cast<char*>(base) + i * dtype_bytes(dt);
+}
+
 // N consecutive floats (16-byte aligned, N a multiple of 4), 16 bytes per access.
 template <int N>
 __device__ __forceinline__ void load_floats(const float* src, float (&x)[N]) {
@@ -104,8 +139,6 @@ __device__ __forceinline__ void store_floats(float* dst, const float (&x)[N]) {
   for (int i = 0; i < N; i += 4) *reinterpret_cast<float4*>(dst + i) = make_float4(x[i], x[i + 1], x[i + 2], x[i + 3]);
 }
 
-__host__ __device__ constexpr int dtype_bytes(DType dt) { return dt == DType::kFloat32 ? 4 : 2; }
-
 __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_t i) {
   return t == IndexType::kInt64 ? static_cast<const int64_t*>(p)[i]
                                 : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
@@ -114,6 +147,15 @@ __device__ __forceinline__ int64_t load_index(const void* p, IndexType t, int64_
 // Whether slot s names a state of the pool; any other slot marks padding (RecurrentParams::num_slots).
 __device__ __forceinline__ bool slot_ok(const RecurrentParams& p, int64_t s) {
   return s >= 0 && s < p.num_slots;
+}
+
+// Sum over aligned groups of W lanes (W a power of two up to 32; all 32 lanes take part), in every
+// lane of the group.
+template <int W>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int m = 1; m < W; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
 }
 
 // Inclusive prefix sum over the lanes of a warp (all 32 lanes take part).

@@ -230,7 +230,7 @@ __device__ __forceinline__ Prepared prepare_token(const RecurrentParams& p, cons
     k_scale = __shfl_sync(0xffffffffu, f, 8);
     t.kq = __shfl_sync(0xffffffffu, f, 16) * q_scale * k_scale;
   } else {
-    t.kq = recurrent::group_sum<32>(qk) * q_scale;
+    t.kq = group_sum<32>(qk) * q_scale;
   }
 #pragma unroll
   for (int e = 0; e < 4; ++e) t.k[e] *= k_scale, t.dk[e] = t.d[e] * t.k[e], t.dq[e] = t.d[e] * (q[e] * q_scale);

@@ -78,13 +78,6 @@ __device__ __forceinline__ int64_t final_slot(const RecurrentParams& p, int n, c
 // to the state traffic.
 // ---------------------------------------------------------------------------------------------
 
-template <int W>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int m = 1; m < W; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
-  return x;
-}
-
 template <int D>
 struct TokenScratch {
   float q[D];      // scale * q / |q|
