@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -39,6 +40,20 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """``x``, or a contiguous copy when its last dimension is strided (the kernels read rows)."""
     return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def kernel_float(x: torch.Tensor) -> torch.Tensor:
+    """A tensor the kernels read in its own dtype (g, beta, the gate parameters): itself, or a float32
+    copy of a float64 one, which the kernels do not read (FLA's kernels also read them in fp32)."""
+    return x.float() if x.dtype == torch.float64 else x
+
+
+def kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A gate parameter as the kernels read it: contiguous (any shape of the right size; the kernels
+    index it flat), in its own dtype; float64, which the kernels do not read, as a float32 copy."""
+    if t is None:
+        return None
+    return kernel_float(t if t.is_contiguous() else t.contiguous())
 
 
 def _env_flag(name: str) -> bool:
@@ -175,6 +190,7 @@ if HAS_EXTENSION:
 
     chunk_local_grad_op = torch.ops.flashkda.chunk_local_grad.default
     chunk_state_scan_op = torch.ops.flashkda.chunk_state_scan.default
+    chunk_state_grad_op = torch.ops.flashkda.chunk_state_grad.default
     chunk_bwd_inputs_op = torch.ops.flashkda.chunk_bwd_inputs.default
     chunk_bwd_input_grads_op = torch.ops.flashkda.chunk_bwd_input_grads.default
     CHUNK_BWD_MAX_SUBCHUNK_SPAN = _C.chunk_bwd_max_subchunk_span()

@@ -257,12 +257,6 @@ def _kernel_unsupported(p: _Problem, q, g, beta, initial_state, A_log, dt_bias) 
     return None
 
 
-def _kernel_float(x: torch.Tensor) -> torch.Tensor:
-    """A tensor the kernels read in its own dtype (g, beta, the gate parameters): itself, or a float32
-    copy of a float64 one, which the kernels do not read (FLA's kernels also read them in fp32)."""
-    return x.float() if x.dtype == torch.float64 else x
-
-
 def pool_layout_reason(pool: torch.Tensor) -> Optional[str]:
     """Why ``pool`` [slots, HV, ·, ·] cannot be a state pool, or None. A pool is updated in place, so
     it is used as given: each slot dense, slots at least a slot and a multiple of 16 bytes apart.
@@ -283,19 +277,11 @@ def _pool_layout(pool: torch.Tensor, name: str) -> None:
         raise ValueError(f"flashkda: the state pool {name}: {why}")
 
 
-def _kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A gate parameter as the kernels read it: contiguous (any shape of the right size; the kernels
-    index it flat), in its own dtype; float64, which the kernels do not read, as a float32 copy."""
-    if t is None:
-        return None
-    return _kernel_float(t if t.is_contiguous() else t.contiguous())
-
-
 def _gate_params(p: _Problem, A_log, dt_bias):
-    """A_log / dt_bias as the kernels take them: dropped for a precomputed gate, else _kernel_param."""
+    """A_log / dt_bias as the kernels take them: dropped for a precomputed gate, else _ext.kernel_param."""
     if p.gate_mode == C.GATE_PRECOMPUTED:
         return None, None
-    return _kernel_param(A_log), _kernel_param(dt_bias)
+    return _ext.kernel_param(A_log), _ext.kernel_param(dt_bias)
 
 
 def _states(p: _Problem, initial_state, output_final_state, state_v_first, device):
@@ -312,7 +298,7 @@ def _run_recurrent_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seql
                           output_final_state, l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first,
                           ssm_state_indices, num_accepted_tokens, out):
     q, k, v = _ext.last_dim_contiguous(q), _ext.last_dim_contiguous(k), _ext.last_dim_contiguous(v)
-    g, beta = _ext.last_dim_contiguous(_kernel_float(g)), _ext.last_dim_contiguous(_kernel_float(beta))
+    g, beta = _ext.last_dim_contiguous(_ext.kernel_float(g)), _ext.last_dim_contiguous(_ext.kernel_float(beta))
     o = out if out is not None else torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     if cu_seqlens is not None:
@@ -349,9 +335,9 @@ def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
                       l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first, chunk_states=None,
                       chunk_state_slots=None, ssm_state_indices=None, has_initial_state=None):
     # q, k, v and a per-channel g whose rows do not start on 16 bytes: the binding reads a copy.
-    g = _kernel_float(g)
+    g = _ext.kernel_float(g)
     g = g if g.dim() == 4 else _ext.last_dim_contiguous(g)
-    beta = _ext.last_dim_contiguous(_kernel_float(beta))
+    beta = _ext.last_dim_contiguous(_ext.kernel_float(beta))
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     if p.serving:  # the pool is read and written in place

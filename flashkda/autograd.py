@@ -455,15 +455,17 @@ def _kernel_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ..
     return starts[seq] + j * _CHUNK, length, first, counts.to(torch.int32), N, C
 
 
-def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
+def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary_states=None):
     """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·] fp32, dS0)`` from the
     preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group), the initial state
     ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
 
-    The per-chunk kernel writes every chunk's state map (D, B) and Y = Pᵀ dO; the two scans over
-    chunks give the states at chunk starts and the gradients of the states after chunks; the
-    per-chunk kernel's second pass then writes every token's gradients. Nothing is read back to the
-    host (the chunk layout is built on the device)."""
+    The states at chunk starts and the gradients of the states after chunks come from
+    ``boundary_states(states, dstates, slots)`` (the chunked forward kernels and chunk_state_grad on
+    their records, see :func:`_chunked_boundary_states`; it returns dS0) when given, else from the
+    per-chunk kernel's state maps (D, B) and Y = Pᵀ dO and two scans over chunks. The per-chunk
+    kernel's gradients pass then writes every token's gradients. Nothing is read back to the host
+    (the chunk layout is built on the device)."""
     B, T, HV, K = qp.shape
     V = v.shape[-1]
     rows = B * T
@@ -478,11 +480,19 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     bos, length, seq_first, seq_chunks, N, C = _kernel_chunks(B, T, opts.cu_seqlens, qp.device)
     if C == 0 or rows == 0:  # no token: the initial state's gradient is the final state's
         return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
-    D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
-    (states,) = _ext.chunk_state_scan_op(D, Bm, S0.contiguous(), seq_first, seq_chunks, False)
-    del Bm  # each map is freed once its scan is done: the gradients pass's outputs take its place
-    nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.contiguous(), seq_first, seq_chunks, True)
-    del D, Y
+    if boundary_states is not None:
+        # Chunk j of sequence n is entry seq_first[n] + j of both pools; columns past a sequence's
+        # chunks name no entry (-1).
+        states, nexts = (q32.new_empty(C, HV, K, V) for _ in range(2))
+        j = torch.arange(C, dtype=torch.int32, device=qp.device)
+        slots = torch.where(j[None] < seq_chunks[:, None], seq_first[:, None].to(torch.int32) + j[None], -1)
+        dS0 = boundary_states(states, nexts, slots)
+    else:
+        D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
+        (states,) = _ext.chunk_state_scan_op(D, Bm, S0.contiguous(), seq_first, seq_chunks, False)
+        del Bm  # each map is freed once its scan is done: the gradients pass's outputs take its place
+        nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.contiguous(), seq_first, seq_chunks, True)
+        del D, Y
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1, states, nexts,
                                                   opts.cu_seqlens is None)  # without cu_seqlens, every token
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),
@@ -587,6 +597,32 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.contiguous()
 
 
+def _chunked_boundary_states(opts: ChunkOptions, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
+    """``boundary_states(states, dstates, slots) -> dS0`` for :func:`_kernel_backward` on the chunked
+    forward kernels (bf16 / fp16 inputs): the forward again, writing the state at every chunk start,
+    then chunk_state_grad on its records (one op, ``flashkda::chunk_state_grad``), or None when those
+    kernels do not take the inputs."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or not hasattr(_ext, "chunk_state_grad_op"):
+        return None
+    if _ext.chunk_smem_shortfall(q.get_device()) is not None:
+        return None
+    g = _ext.kernel_float(g)  # the arguments as the forward's op took them (flashkda.api)
+    g = g if g.dim() == 4 else _ext.last_dim_contiguous(g)
+    beta = _ext.last_dim_contiguous(_ext.kernel_float(beta))
+    gate = [_ext.kernel_param(t) for t in (gate_A, gate_dt)]
+    dO = torch.zeros_like(v) if do is None else do.to(v.dtype)
+    cu = None if opts.cu_seqlens is None else opts.cu_seqlens.contiguous()
+    lower = opts.lower_bound if opts.lower_bound is not None else 0.0
+
+    def boundary_states(states, dstates, slots):
+        return _ext.chunk_state_grad_op(
+            q, k, v, g, beta, *gate, cu, S0.contiguous(), opts.scale,
+            C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound), lower, opts.use_qk_l2norm_in_kernel,
+            opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval, dO, dS.contiguous(), states, dstates, slots)
+
+    return boundary_states
+
+
 def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
     """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
     (None for an input that needs none), each in its input's shape and dtype, from the gradients
@@ -627,7 +663,9 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
     why = _kernel_shortfall(opts, qp, gate, V)
     if why is None:
-        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do)
+        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(
+            opts, qp, kp, v, gp, bp, S0, dS, do,
+            _chunked_boundary_states(opts, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do))
     else:
         _ext.log.debug("flashkda: chunked backward on PyTorch (%s)", why)
         dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do)

@@ -616,7 +616,8 @@ def test_chunk_smem_shortfall(monkeypatch):
 
 
 def test_chunk_kernel_reasons_and_gate_parameters():
-    from flashkda.api import _chunk_kernel_unsupported, _kernel_param, _validate
+    from flashkda._ext import kernel_param as _kernel_param
+    from flashkda.api import _chunk_kernel_unsupported, _validate
 
     def problem(D, dtype):
         kw = make_inputs(T=3, H=1, D=D, dtype=dtype)

@@ -132,12 +132,41 @@ KERNEL_GLUE_CASES = {
 }
 
 
+def boundary_states_reference(opts, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
+    """What ``ag._chunked_boundary_states`` hands the backward, from the references: the chunk maps
+    of the preprocessed inputs and both scans, written into the pools at the given slots."""
+
+    def boundary_states(states_pool, dstates_pool, slots):
+        flags = (opts.scale, C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound), opts.lower_bound or 0.0,
+                 opts.use_qk_l2norm_in_kernel, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
+        qp, kp, gp, bp = token_inputs_reference(q, k, v, g, beta, gate_A, gate_dt, *flags)
+        B, T, HV, K = qp.shape
+        rows = B * T
+        f32 = torch.float32
+        dO = torch.zeros(rows, HV, v.shape[-1], dtype=f32) if do is None else do.reshape(rows, HV, -1).to(f32)
+        bos, length, first, count, N, _ = ag._kernel_chunks(B, T, opts.cu_seqlens, q.device)
+        flat = [x.reshape(rows, HV, -1).to(f32) for x in (qp, kp, v, gp)]
+        maps, offsets, Y = local_grad_reference(*flat, bp.reshape(rows, HV).to(f32), dO, bos, length, 0)
+        (states,) = state_scan_reference(maps, offsets, S0, first, count, False)
+        nexts, dS0 = state_scan_reference(maps, Y, dS, first, count, True)
+        for n in range(N):
+            for j in range(int(count[n])):
+                states_pool[slots[n, j]] = states[first[n] + j]
+                dstates_pool[slots[n, j]] = nexts[first[n] + j]
+        return dS0
+
+    return boundary_states
+
+
+@pytest.mark.parametrize("boundary", ["scans", "forward_kernels"])
 @pytest.mark.parametrize("tokens", [False, True], ids=["torch_tokens", "kernel_tokens"])
 @pytest.mark.parametrize("case", list(KERNEL_GLUE_CASES))
-def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens):
+def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens, boundary):
     """The backward on the kernel pass (here its reference) gives the PyTorch backward's gradients
     (chunk layout, scans, GVA, GDN, state layouts, sequences without tokens), with the per-token
-    work in PyTorch or on its kernels' path (their references: the glue around them)."""
+    work in PyTorch or on its kernels' path (their references: the glue around them), and the
+    states at chunk boundaries from the scans or from the forward kernels (their reference: the
+    pools' slots)."""
     from test_autograd import _through_chunk_function, _upstream
 
     monkeypatch.setattr(_ext, "chunk_local_grad_op", local_grad_reference, raising=False)
@@ -145,6 +174,8 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens):
     monkeypatch.setattr(_ext, "chunk_bwd_inputs_op", token_inputs_reference, raising=False)
     monkeypatch.setattr(_ext, "chunk_bwd_input_grads_op", token_grads_reference, raising=False)
     monkeypatch.setattr(ag, "_token_kernels_serve", lambda *a: tokens)
+    monkeypatch.setattr(ag, "_chunked_boundary_states",
+                        boundary_states_reference if boundary == "forward_kernels" else lambda *a: None)
     kw = make_inputs(H=2, D=16, dtype=torch.float64, **KERNEL_GLUE_CASES[case], seed=3)
     do, dht = (x.double() for x in _upstream(kw))
     calls = []
@@ -302,3 +333,51 @@ def test_token_passes_match_reference(case):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {list(a.shape)}"
         tol = 1e-5 if a.dtype == torch.float32 else 4e-3  # 16-bit outputs: their rounding (2^-8)
         assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.2e}"
+
+
+# chunk_state_grad's cases: make_inputs arguments.
+STATE_GRAD_CASES = {
+    "kda_gva_bf16_varlen": dict(lens=[1, 17, 0, 97, 1030, 64], H=2, HV=4, gate="lower_bound", dtype=torch.bfloat16),
+    "kda_softplus_bf16_b2": dict(B=2, T=200, H=2, gate="softplus", dtype=torch.bfloat16),
+    "gdn_fp16_varlen": dict(lens=[130, 3, 64], H=2, gate="precomputed", gdn=True, dtype=torch.float16),
+}
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", list(STATE_GRAD_CASES))
+def test_chunk_state_grad_matches_reference(case):
+    """``chunk_state_grad`` (the forward kernels' states at chunk starts, then the backward walk on
+    their records) against fp64 scans of the chunk maps from the preprocessed inputs: the states,
+    the gradients of the states after every chunk and the initial state's gradient, in the
+    backward's chunk layout (pools poisoned with NaN; entries of no chunk are not compared)."""
+    kw = make_inputs(D=128, device="cuda", seed=17, **STATE_GRAD_CASES[case])
+    q, k, v, g, beta = (kw[n] for n in ("q", "k", "v", "g", "beta"))
+    B, T, HV, K = v.shape
+    gate_in = kw.get("use_gate_in_kernel", False)
+    flags = (K ** -0.5, C.gate_mode(gate_in, kw.get("lower_bound")), kw.get("lower_bound") or 0.0, True, True, False)
+    A_log, dt_bias = (kw["A_log"], kw["dt_bias"]) if gate_in else (None, None)
+    gen = torch.Generator().manual_seed(3)
+    N = B if kw.get("cu_seqlens") is None else len(kw["cu_seqlens"]) - 1
+    do = torch.randn(B, T, HV, K, generator=gen).to("cuda", v.dtype)
+    dht = torch.randn(N, HV, K, K, generator=gen).cuda()
+    S0 = kw["initial_state"].float()
+    cu = kw.get("cu_seqlens")
+    bos, length, first, count, N, chunks = ag._kernel_chunks(B, T, cu, "cuda")
+    j = torch.arange(chunks, dtype=torch.int32, device="cuda")
+    slots = torch.where(j[None] < count[:, None], first[:, None].to(torch.int32) + j[None], -1)
+    states, nexts = (torch.full((chunks, HV, K, K), float("nan"), device="cuda") for _ in range(2))
+    dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, flags[0], flags[1], flags[2], True,
+                                   True, False, do, dht, states, nexts, slots)
+
+    qp, kp, gp, bp = (x.double().cpu() for x in token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags))
+    rows = B * T
+    flat = [x.reshape(rows, HV, -1) for x in (qp, kp, v.double().cpu(), gp, do.double().cpu())]
+    bos_c, len_c, first_c, count_c = (x.cpu() for x in (bos, length, first, count))
+    maps, offsets, Y = local_grad_reference(*flat[:4], bp.reshape(rows, HV), flat[4], bos_c, len_c, 0)
+    (want_states,) = state_scan_reference(maps, offsets, S0.double().cpu(), first_c, count_c, False)
+    want_nexts, want_dS0 = state_scan_reference(maps, Y, dht.double().cpu(), first_c, count_c, True)
+    used = int(count_c.sum())
+    for name, a, b in (("states", states[:used], want_states[:used]), ("dstates", nexts[:used], want_nexts[:used]),
+                       ("dS0", dS0, want_dS0)):
+        assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"

@@ -2,9 +2,12 @@
 // inputs and laid out the chunks; its checks here are a safety net against memory errors.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -140,6 +143,61 @@ std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tenso
   const cudaError_t err = run_chunk_state_scan(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_state_scan launch failed: ", cudaGetErrorString(err));
   return out;
+}
+
+// The states at chunk starts and the gradients of the states after chunks, from the chunked forward
+// kernels: the forward (its output dropped) writes the state before chunk j of sequence n into
+// states[slots[n, j]], then chunk_state_grad walks the forward's records backwards from `dht` and
+// writes the gradient of the state after that chunk into dstates[slots[n, j]]. Returns the initial
+// state's gradient [N, HV, D, D] fp32. The token inputs and options are chunk_fwd's; initial_state,
+// dht, states and dstates are key-first fp32 ([N, HV, D, D]; [slots, HV, D, D] contiguous pools),
+// dO [B, T, HV, D] in q's dtype, slots [N, columns] int32 or int64 (an entry outside the pools: none).
+at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                            const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
+                            const std::optional<at::Tensor>& initial_state, double scale, int64_t gate_mode,
+                            double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval,
+                            const at::Tensor& dO_in, const at::Tensor& dht, const at::Tensor& states,
+                            const at::Tensor& dstates, const at::Tensor& slots) {
+  TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
+  const at::Tensor dO = rows16(dO_in);
+  check_cuda(dO, q, "dO");
+  TORCH_CHECK(dO.scalar_type() == q.scalar_type() && dO.sizes() == v.sizes(),
+              "flashkda: dO must have v's shape and q's dtype");
+  for (const auto& [t, name] : {std::pair{&states, "states"}, {&dstates, "dstates"}})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "flashkda: ", name,
+                " must be a contiguous float32 pool");
+  TORCH_CHECK(dstates.sizes() == states.sizes(), "flashkda: dstates must have the shape of states");
+  const at::Tensor o = at::empty_like(v, at::MemoryFormat::Contiguous);
+  ChunkForwardRun run;
+  chunk_fwd_impl(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, std::nullopt, o, scale, gate_mode,
+                 lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, /*state_v_first=*/false, /*value_split=*/0,
+                 /*segment_chunks=*/-1, states, slots, std::nullopt, std::nullopt, /*checked=*/false, &run);
+  ChunkParams p = run.params;
+  const int64_t D = chunk::kHeadDim;
+  check_cuda(dht, q, "dht");
+  TORCH_CHECK(dht.scalar_type() == at::kFloat && dht.is_contiguous() && dht.dim() == 4 && dht.size(0) == p.N &&
+                  dht.size(1) == p.HV && dht.size(2) == D && dht.size(3) == D,
+              "flashkda: dht must be a contiguous float32 [N, HV, 128, 128] tensor");
+  at::Tensor dS0 = at::empty_like(dht);
+  p.v = dO.data_ptr();
+  p.v_batch_stride = dO.stride(0), p.v_token_stride = dO.stride(1), p.v_head_stride = dO.stride(2);
+  p.state_in = dht.data_ptr(), p.state_in_dtype = DType::kFloat32;
+  p.state_out = dS0.data_ptr(), p.state_out_dtype = DType::kFloat32;
+  p.state_slot_stride = int64_t(p.HV) * D * D;
+  p.chunk_states = dstates.data_ptr();
+  p.has_initial_state = nullptr;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err;
+  if (q.scalar_type() == at::kBFloat16)
+    err = p.value_split == 1 ? run_chunk_state_grad<__nv_bfloat16, chunk::kHeadDim>(p, stream)
+                             : run_chunk_state_grad<__nv_bfloat16, chunk::kHeadDim / 2>(p, stream);
+  else
+    err = p.value_split == 1 ? run_chunk_state_grad<__half, chunk::kHeadDim>(p, stream)
+                             : run_chunk_state_grad<__half, chunk::kHeadDim / 2>(p, stream);
+  TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_state_grad launch failed: ", cudaGetErrorString(err));
+  return dS0;
 }
 
 namespace {

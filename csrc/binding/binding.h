@@ -100,6 +100,12 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
                int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                const std::optional<at::Tensor>& chunk_state_slots, const std::optional<at::Tensor>& ssm_state_indices,
                const std::optional<at::Tensor>& has_initial_state);
+// What a chunked forward left behind: its plan and its workspace (the records), for a pass that
+// reads them after it on the same stream (chunk_state_grad).
+struct ChunkForwardRun {
+  ChunkParams params;
+  at::Tensor workspace;
+};
 void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                     const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
                     const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
@@ -109,7 +115,8 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
                     int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                     const std::optional<at::Tensor>& chunk_state_slots,
                     const std::optional<at::Tensor>& ssm_state_indices,
-                    const std::optional<at::Tensor>& has_initial_state, bool checked);
+                    const std::optional<at::Tensor>& has_initial_state, bool checked,
+                    ChunkForwardRun* run = nullptr);
 
 
 // The chunked backward's kernel passes (backward.cpp).
@@ -120,6 +127,13 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          const std::optional<at::Tensor>& dstates, bool every_token);
 std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
                                          const at::Tensor& seq_first, const at::Tensor& seq_chunks, bool reverse);
+at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
+                            const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
+                            const std::optional<at::Tensor>& initial_state, double scale, int64_t gate_mode,
+                            double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval,
+                            const at::Tensor& dO, const at::Tensor& dht, const at::Tensor& states,
+                            const at::Tensor& dstates, const at::Tensor& slots);
 std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,

@@ -33,6 +33,11 @@ TORCH_LIBRARY(flashkda, m) {
       "chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, Tensor seq_first, Tensor seq_chunks, "
       "bool reverse) -> Tensor[]");
   m.def(
+      "chunk_state_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
+      "Tensor? cu_seqlens, Tensor? initial_state, float scale, int gate_mode, float lower_bound, bool l2norm, "
+      "bool beta_sigmoid, bool allow_neg_eigval, Tensor dO, Tensor dht, Tensor(a!) states, Tensor(b!) dstates, "
+      "Tensor slots) -> Tensor");
+  m.def(
       "chunk_bwd_inputs(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "float scale, int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) "
       "-> Tensor[]");
@@ -47,6 +52,7 @@ TORCH_LIBRARY_IMPL(flashkda, CUDA, m) {
   m.impl("chunk_fwd", &flashkda::binding::chunk_fwd);
   m.impl("chunk_local_grad", &flashkda::binding::chunk_local_grad);
   m.impl("chunk_state_scan", &flashkda::binding::chunk_state_scan);
+  m.impl("chunk_state_grad", &flashkda::binding::chunk_state_grad);
   m.impl("chunk_bwd_inputs", &flashkda::binding::chunk_bwd_inputs);
   m.impl("chunk_bwd_input_grads", &flashkda::binding::chunk_bwd_input_grads);
 }

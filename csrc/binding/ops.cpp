@@ -101,7 +101,7 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
                     int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                     const std::optional<at::Tensor>& chunk_state_slots,
                     const std::optional<at::Tensor>& ssm_state_indices,
-                    const std::optional<at::Tensor>& has_initial_state, bool checked) {
+                    const std::optional<at::Tensor>& has_initial_state, bool checked, ChunkForwardRun* run) {
   const at::Tensor q = rows16(q_in), k = rows16(k_in), v = rows16(v_in);
   const at::Tensor g = g_in.dim() == 4 ? rows16(g_in) : g_in;  // the scalar gate is read element by element
   if (!checked) {
@@ -183,6 +183,7 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
   const cudaError_t err = q.scalar_type() == at::kBFloat16 ? run_chunk_forward<__nv_bfloat16>(p, stream)
                                                            : run_chunk_forward<__half>(p, stream);
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked kernel launch failed: ", cudaGetErrorString(err));
+  if (run != nullptr) *run = ChunkForwardRun{p, workspace};
 }
 
 }  // namespace flashkda::binding

@@ -76,6 +76,12 @@ int chunk_smem_bytes();
 template <chunk_bwd::Pass kPass>
 cudaError_t run_chunk_local_grad(const ChunkBwdParams& params, cudaStream_t stream);
 int chunk_local_grad_smem_bytes();
+// The gradients of the states at chunk boundaries, walking each sequence's chunks backwards on the
+// records of a chunked forward run with the same params (chunk_state_grad.cuh: the fields it reads
+// in place of the forward's), any device that runs the chunked forward. Elem and kBlockV as
+// run_chunk_recurrence's.
+template <typename Elem, int kBlockV>
+cudaError_t run_chunk_state_grad(const ChunkParams& params, cudaStream_t stream);
 // The chunked backward's scans over chunks (chunk_state_scan.cuh), any sm_80+ device.
 cudaError_t run_chunk_state_scan(const ChunkScanParams& params, cudaStream_t stream);
 // The chunked backward's per-token work (chunk_bwd_tokens.cuh), D == chunk::kHeadDim, any sm_80+

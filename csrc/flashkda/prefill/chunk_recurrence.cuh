@@ -224,6 +224,16 @@ __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape:
   }
 }
 
+// Sᵀ ⊙ decay: key column d of the m16n8 accumulators (columns 8 nt + 2 t4 (+ 1)) times decay[d].
+template <int kKeyTiles>
+__device__ __forceinline__ void scale_key_columns(float (&s)[kKeyTiles][4], const float* decay, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles; ++nt) {
+    const float2 dec = *reinterpret_cast<const float2*>(&decay[8 * nt + 2 * t4]);
+    s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
+  }
+}
+
 // acc (16 value rows x kChunk tokens, m16n8 accumulators) += A · Lᵀ on mma.sync, with A the 16 x kChunk
 // operand in A fragments (16 tokens per k-step) and L a triangular TriTile at l_s (T or mqk), tokens
 // in record order: output tiles np <= kc only.
@@ -473,11 +483,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
         for (int kc = 0; kc < kChunk / 16; ++kc) sm80::accumulators_to_a<Elem>(u[2 * kc], u[2 * kc + 1], ua[kc]);
         // Then, in two groups: Oᵀ += Uᵀ mqkᵀ, and Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd (B = kd rows, 128 key
         // columns in two 64-column panels, N-major). The output goes out while the state update runs.
-#pragma unroll
-        for (int nt = 0; nt < kKeyTiles; ++nt) {
-          const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
-          s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
-        }
+        scale_key_columns(s, st.decay, t4);
         sm90::fence_operands(s);
         sm90::wgmma_fence();
         times_triangular_transposed_wgmma<Elem>(o, ua, mqk_s, std::make_integer_sequence<int, kChunk / 16>{});
@@ -562,11 +568,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
 #endif
       {
         // Sᵀ ← Sᵀ ⊙ decay + Uᵀ kd
-#pragma unroll
-        for (int nt = 0; nt < kKeyTiles; ++nt) {
-          const float2 dec = *reinterpret_cast<const float2*>(&st.decay[8 * nt + 2 * t4]);
-          s[nt][0] *= dec.x, s[nt][1] *= dec.y, s[nt][2] *= dec.x, s[nt][3] *= dec.y;
-        }
+        scale_key_columns(s, st.decay, t4);
 #pragma unroll
         for (int kc = 0; kc < kChunk / 16; ++kc)
 #pragma unroll

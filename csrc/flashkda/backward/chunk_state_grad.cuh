@@ -1,0 +1,220 @@
+// chunk_state_grad: the gradient of the state at every chunk boundary, walking each sequence's
+// chunks backwards from the final state's gradient, on the forward's records (chunk_prepare's
+// workspace, WorkspaceLayout) and in chunk_recurrence's shape: one block per (sequence, value head,
+// kBlockV value columns), the gradient Gᵀ [value rows v, key columns d] in fp32 registers, warp w
+// owning value rows 16 w .. 16 w + 15 and all key columns.
+//
+// A chunk's forward is U = T v − w S, O = qd S + mqk U, S' = decay ⊙ S + kdᵀ U (chunk_params.h).
+// With G' the gradient of S' and dO that of O, the gradient of S is
+//     dU = kd G' + mqkᵀ dO,   G = decay ⊙ G' + qdᵀ dO − wᵀ dU,
+// which is chunk_recurrence's step with the roles of w and kd exchanged: per chunk, transposed,
+//     dUᵀ = Gᵀ kdᵀ + dOᵀ mqk,   Gᵀ ← Gᵀ ⊙ decay + dOᵀ qd − dUᵀ w,
+// from registers and shared memory only (mma.sync, bf16/fp16 operands, fp32 accumulation, as the
+// forward's products). dO streams into the stage's v tile (record token order, zero rows past the
+// chunk's end) with the record. Before a chunk's step, Gᵀ (the gradient of the state after that
+// chunk) goes to the chunk's slot of the pool `chunk_states` (ChunkParams::chunk_state_slots); after
+// the first chunk it is the initial state's gradient (state_out). The final state's gradient comes
+// in as state_in. Fields of ChunkParams that this kernel reads differently from the forward:
+//   v (and its strides)  dO [B, T, HV, V] in the token tensors' element type
+//   state_in             the final state's gradient (state_in_dtype, state_v_first)
+//   state_out            the initial state's gradient (state_out_dtype, state_v_first)
+//   chunk_states         the gradients of the states after each chunk (a pool with slots)
+#pragma once
+
+#include "flashkda/prefill/chunk_recurrence.cuh"
+
+namespace flashkda {
+namespace chunk {
+
+// acc (16 value rows x kChunk tokens, m16n8 accumulators) += A · L on mma.sync, with A the 16 x kChunk
+// operand in A fragments and L a TriTile (record order, nonzero blocks (r, c) with r <= c): output
+// slice c takes the contraction blocks r <= c, read transposed (rows of L are the contraction).
+template <typename Elem>
+__device__ __forceinline__ void times_triangular(float (&acc)[kChunk / 8][4], const uint32_t (&a)[kChunk / 16][4],
+                                                 uint32_t l_s, int lane) {
+#pragma unroll
+  for (int c = 0; c < kChunk / 16; ++c)
+#pragma unroll
+    for (int r = 0; r <= c; ++r) {
+      uint32_t bf[4];
+      sm80::ldmatrix_x4_trans(bf, l_s + TriTile::chunk_offset(16 * r + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                              2 * c + (lane >> 4)));
+      sm80::mma_16816<Elem>(acc[2 * c], a[r], bf[0], bf[1]);
+      sm80::mma_16816<Elem>(acc[2 * c + 1], a[r], bf[2], bf[3]);
+    }
+}
+
+// The pool slots of a sequence's chunks for a backward walk: lane c holds chunk `top` − c's, the
+// next 32 loaded while these are used (SlotBlock's scheme, in reverse).
+struct ReverseSlotBlock {
+  static constexpr int kChunks = 32;
+  int64_t next = -1, cur = -1;
+
+  __device__ __forceinline__ void load(const ChunkParams& p, int n, int64_t top, int lane) {
+    const int64_t j = top - lane;
+    next = -1;
+    if (j < 0 || j >= p.chunk_slot_cols) return;
+    next = load_index(p.chunk_state_slots, p.chunk_slot_type, int64_t(n) * p.chunk_slot_row_stride + j);
+  }
+  // At step i (i % kChunks == 0, chunk top = last − i): takes the loaded block, starts the next.
+  __device__ __forceinline__ void advance(const ChunkParams& p, int n, int64_t top, int lane) {
+    cur = next;
+    load(p, n, top - kChunks, lane);
+  }
+  __device__ __forceinline__ int64_t slot(int64_t i) const { return __shfl_sync(0xffffffffu, cur, int(i % kChunks)); }
+};
+
+template <typename Elem, int kBlockV>
+__global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
+    chunk_state_grad_kernel(const ChunkParams p) {
+  using Shape = RecurrenceShape<kBlockV>;
+  using Stage = typename Shape::Stage;
+  constexpr int kKeyTiles = kHeadDim / 8;
+  constexpr int kStages = Shape::kStages;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  Stage* stages = reinterpret_cast<Stage*>(smem_raw);
+
+  // Grid: (value blocks, HV, N from first_grid_row).
+  const int hv = blockIdx.y;
+  const int z = int(blockIdx.z + uint32_t(p.first_grid_row));
+  const int vblock = int(blockIdx.x);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int v_local = 16 * warp, v_glob = vblock * kBlockV + v_local;
+  int n;
+  const SeqSpan seq = ordered_sequence_span(p, z, n);
+  const int64_t nchunks = recorded_chunks(p, seq);
+  const int64_t state_base = int64_t(n) * p.state_slot_stride + int64_t(hv) * kHeadDim * kHeadDim;
+
+  // Gᵀ: the final state's gradient.
+  float s[kKeyTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kKeyTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
+      const int64_t i = state_base + state_offset(p.state_v_first, v, d);
+      s[nt][e] = p.state_in == nullptr ? 0.f
+                 : p.state_in_dtype == DType::kBFloat16
+                     ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
+                     : static_cast<const float*>(p.state_in)[i];
+    }
+
+  const Elem* dobase = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + hv * p.v_head_stride +
+                       vblock * kBlockV;
+  auto chunk_len = [&](int64_t j) {
+    const int64_t rest = seq.len - j * kChunk;
+    return int(rest < kChunk ? rest : kChunk);
+  };
+  // Step i takes chunk nchunks − 1 − i.
+  auto issue = [&](int64_t i) {
+    const int64_t j = nchunks - 1 - i;
+    if (j >= 0)
+      load_stage<Elem, Shape, kCpAsyncMma>(
+          p, stages[i % kStages], nullptr,
+          static_cast<const uint8_t*>(p.workspace) + ((seq.first_slot + j) * p.HV + hv) * WorkspaceLayout::kRecordBytes,
+          dobase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
+    sm80::cp_async_commit();
+  };
+  auto state_dst = [&](int64_t slot) -> void* {
+    return static_cast<char*>(p.chunk_states) +
+           (slot * p.chunk_state_stride + int64_t(hv) * kHeadDim * kHeadDim) * dtype_bytes(p.chunk_states_dtype);
+  };
+  const bool stores_states = p.chunk_states != nullptr && p.chunk_state_slots != nullptr;
+
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  ReverseSlotBlock slots;
+  if (stores_states) slots.load(p, n, nchunks - 1, lane);
+  for (int64_t i = 0; i < nchunks; ++i) {
+    Stage& st = stages[i % kStages];
+    __syncthreads();  // every warp is done with the stage that the next load overwrites
+    issue(i + kStages - 1);
+    sm80::cp_async_wait<kStages - 1>();
+    __syncthreads();
+    // The gradient of the state after chunk nchunks − 1 − i.
+    if (stores_states) {
+      if (i % ReverseSlotBlock::kChunks == 0) slots.advance(p, n, nchunks - 1 - i, lane);
+      const int64_t slot = slots.slot(i);
+      if (slot >= 0 && slot < p.chunk_state_entries)
+        store_state(state_dst(slot), p.chunk_states_dtype, p.state_v_first, s, v_glob, g8, t4);
+    }
+
+    const uint32_t w_s = sm80::smem_u32(st.w), qd_s = sm80::smem_u32(st.qd), kd_s = sm80::smem_u32(st.kd);
+    const uint32_t mqk_s = sm80::smem_u32(st.mqk), do_s = sm80::smem_u32(st.v);
+
+    float du[kChunk / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) du[nt][e] = 0.f;
+    // dUᵀ = Gᵀ kdᵀ
+#pragma unroll
+    for (int kd = 0; kd < kKeyTiles / 2; ++kd) {
+      uint32_t a[4];
+      sm80::accumulators_to_a<Elem>(s[2 * kd], s[2 * kd + 1], a);
+#pragma unroll
+      for (int np = 0; np < kChunk / 16; ++np) {
+        uint32_t b[4];
+        sm80::ldmatrix_x4(b, kd_s + MatTile::chunk_offset(16 * np + (lane & 7) + (lane >> 4) * 8,
+                                                          2 * kd + ((lane >> 3) & 1)));
+        sm80::mma_16816<Elem>(du[2 * np], a, b[0], b[1]);
+        sm80::mma_16816<Elem>(du[2 * np + 1], a, b[2], b[3]);
+      }
+    }
+    // The A fragments of dOᵀ (this warp's 16 value rows, 16 tokens per k-step); dUᵀ += dOᵀ mqk.
+    uint32_t doa[kChunk / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < kChunk / 16; ++kc)
+      sm80::ldmatrix_x4_trans(doa[kc], do_s + Shape::VTile::chunk_offset(16 * kc + (lane & 7) + (lane >> 4) * 8,
+                                                                          v_local / 8 + ((lane >> 3) & 1)));
+    times_triangular<Elem>(du, doa, mqk_s, lane);
+    uint32_t dua[kChunk / 16][4];  // −dUᵀ as an A operand
+#pragma unroll
+    for (int kc = 0; kc < kChunk / 16; ++kc) {
+      sm80::accumulators_to_a<Elem>(du[2 * kc], du[2 * kc + 1], dua[kc]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dua[kc][e] = sm80::neg2(dua[kc][e]);
+    }
+    // Gᵀ ← Gᵀ ⊙ decay + dOᵀ qd − dUᵀ w
+    scale_key_columns(s, st.decay, t4);
+#pragma unroll
+    for (int kc = 0; kc < kChunk / 16; ++kc)
+#pragma unroll
+      for (int dp = 0; dp < kKeyTiles / 2; ++dp) {
+        const uint32_t off = MatTile::chunk_offset(16 * kc + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * dp + (lane >> 4));
+        uint32_t bq[4], bw[4];
+        sm80::ldmatrix_x4_trans(bq, qd_s + off);
+        sm80::ldmatrix_x4_trans(bw, w_s + off);
+        sm80::mma_16816<Elem>(s[2 * dp], doa[kc], bq[0], bq[1]);
+        sm80::mma_16816<Elem>(s[2 * dp + 1], doa[kc], bq[2], bq[3]);
+        sm80::mma_16816<Elem>(s[2 * dp], dua[kc], bw[0], bw[1]);
+        sm80::mma_16816<Elem>(s[2 * dp + 1], dua[kc], bw[2], bw[3]);
+      }
+  }
+  if (p.state_out != nullptr)
+    store_state(static_cast<char*>(p.state_out) + state_base * dtype_bytes(p.state_out_dtype), p.state_out_dtype,
+                p.state_v_first, s, v_glob, g8, t4);
+}
+
+}  // namespace chunk
+
+// Launches chunk_state_grad over the N sequences of a planned chunked forward whose records are in
+// p.workspace (same plan, same workspace), with the fields above in place of the forward's.
+template <typename Elem, int kBlockV>
+cudaError_t run_chunk_state_grad(const ChunkParams& p, cudaStream_t stream) {
+  using Shape = chunk::RecurrenceShape<kBlockV>;
+  if (p.N == 0) return cudaSuccess;
+  auto kernel = chunk::chunk_state_grad_kernel<Elem, kBlockV>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Shape::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  ChunkParams rows = p;
+  for (int64_t first = 0; first < p.N; first += chunk::kMaxGridRows) {
+    rows.first_grid_row = int32_t(first);
+    const int64_t count = std::min<int64_t>(p.N - first, chunk::kMaxGridRows);
+    kernel<<<dim3(chunk::kHeadDim / kBlockV, p.HV, uint32_t(count)), Shape::kThreads, Shape::kSmemBytes, stream>>>(rows);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace flashkda
