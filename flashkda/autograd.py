@@ -58,6 +58,9 @@ _SUB_CHUNK = 16
 #: Largest |log decay| over a pivoted block: factors up to e^{32}, products up to e^{64} (fp32
 #: reaches e^{88}). The lower-bound gate (at least -5 a token) always stays within it.
 _PIVOT_SPAN = 64.0
+#: The states at chunk starts and their gradients from the forward kernels, as the gradients pass
+#: reads them (its products take bf16 operands): half the memory of fp32 pools.
+_BOUNDARY_STATE_DTYPE = torch.bfloat16
 
 
 class ChunkOptions(NamedTuple):
@@ -483,7 +486,7 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     if boundary_states is not None:
         # Chunk j of sequence n is entry seq_first[n] + j of both pools; columns past a sequence's
         # chunks name no entry (-1).
-        states, nexts = (q32.new_empty(C, HV, K, V) for _ in range(2))
+        states, nexts = (q32.new_empty(C, HV, K, V, dtype=_BOUNDARY_STATE_DTYPE) for _ in range(2))
         j = torch.arange(C, dtype=torch.int32, device=qp.device)
         slots = torch.where(j[None] < seq_chunks[:, None], seq_first[:, None].to(torch.int32) + j[None], -1)
         dS0 = boundary_states(states, nexts, slots)

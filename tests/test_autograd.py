@@ -335,8 +335,10 @@ def test_cuda_training_call_captures_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     want = grads_of(flashkda.chunk_kda, fresh, do, dht, output_final_state=True)
+    # Not bit-equal: the gradients pass sums some partials (dg's chunk-end term, dβ) with shared-memory
+    # atomics, in the order the warps arrive (measured 1.1e-6 on dg between replay and eager).
     for name, a, b in zip(NAMES, captured, want):
-        assert rel_err(a, b) <= 1e-6, f"d{name}: {rel_err(a, b):.2e}"
+        assert rel_err(a, b) <= 1e-5, f"d{name}: {rel_err(a, b):.2e}"
 
 
 def test_chunk_function_traces_fullgraph():

@@ -176,6 +176,7 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens, bounda
     monkeypatch.setattr(ag, "_token_kernels_serve", lambda *a: tokens)
     monkeypatch.setattr(ag, "_chunked_boundary_states",
                         boundary_states_reference if boundary == "forward_kernels" else lambda *a: None)
+    monkeypatch.setattr(ag, "_BOUNDARY_STATE_DTYPE", torch.float32)  # the glue, not the rounding
     kw = make_inputs(H=2, D=16, dtype=torch.float64, **KERNEL_GLUE_CASES[case], seed=3)
     do, dht = (x.double() for x in _upstream(kw))
     calls = []
@@ -242,9 +243,10 @@ def test_kernel_passes_match_reference(decay):
         for name, a, b in zip("DBY", got, want):
             assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"
     gen = torch.Generator().manual_seed(5)
-    S = 0.3 * torch.randn(chunks, 3, K, K, generator=gen, dtype=torch.float64)
-    dS = torch.randn(chunks, 3, K, K, generator=gen, dtype=torch.float64)
-    got = _ext.chunk_local_grad_op(q, k, v, g, beta, dO, bos, length, 1, S.float().cuda(), dS.float().cuda())
+    # The pass reads bf16 states (fp32 ones are rounded by the op): the reference gets those values.
+    S = (0.3 * torch.randn(chunks, 3, K, K, generator=gen, dtype=torch.float64)).bfloat16().double()
+    dS = torch.randn(chunks, 3, K, K, generator=gen, dtype=torch.float64).bfloat16().double()
+    got = _ext.chunk_local_grad_op(q, k, v, g, beta, dO, bos, length, 1, S.float().cuda(), dS.bfloat16().cuda())
     want = local_grad_reference(*ref_in, bos_c, len_c, 1, S, dS)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, want):
         assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"
@@ -366,7 +368,8 @@ def test_chunk_state_grad_matches_reference(case):
     bos, length, first, count, N, chunks = ag._kernel_chunks(B, T, cu, "cuda")
     j = torch.arange(chunks, dtype=torch.int32, device="cuda")
     slots = torch.where(j[None] < count[:, None], first[:, None].to(torch.int32) + j[None], -1)
-    states, nexts = (torch.full((chunks, HV, K, K), float("nan"), device="cuda") for _ in range(2))
+    states, nexts = (torch.full((chunks, HV, K, K), float("nan"), device="cuda", dtype=ag._BOUNDARY_STATE_DTYPE)
+                     for _ in range(2))
     dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, flags[0], flags[1], flags[2], True,
                                    True, False, do, dht, states, nexts, slots)
 

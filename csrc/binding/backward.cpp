@@ -31,7 +31,7 @@ void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bo
 }  // namespace
 
 // Pass 0 (transitions): returns [D, B, Y], each [chunks, HV, D, D] fp32. Pass 1 (gradients, with
-// `states` and `dstates` [chunks, HV, D, D] fp32): returns [dq, dk, dv, dg, dbeta] in the token
+// `states` and `dstates` [chunks, HV, D, D] fp32 or bf16): returns [dq, dk, dv, dg, dbeta] in the token
 // layout of the inputs (zeros for tokens in no chunk; `every_token`: the chunks cover every token,
 // and nothing is zero-filled). Inputs: chunk_bwd_params.h.
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -75,15 +75,19 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     err = run_chunk_local_grad<chunk_bwd::Pass::kTransitions>(p, stream);
   } else {
     TORCH_CHECK(states.has_value() && dstates.has_value(), "flashkda: the gradient pass needs states and dstates");
+    // The kernel reads bf16 (its products' operand type); fp32 ones (from the scans) are rounded here.
+    at::Tensor bf16[2];
+    int i = 0;
     for (const auto& [t, name] : {std::pair{&*states, "states"}, {&*dstates, "dstates"}}) {
       check_cuda(*t, q, name);
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 4 && t->size(0) == chunks &&
-                      t->size(1) == HV && t->size(2) == D && t->size(3) == D,
-                  "flashkda: ", name, " must be contiguous float32 [chunks, HV, 128, 128]");
+      TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) && t->is_contiguous() &&
+                      t->dim() == 4 && t->size(0) == chunks && t->size(1) == HV && t->size(2) == D && t->size(3) == D,
+                  "flashkda: ", name, " must be contiguous float32 or bfloat16 [chunks, HV, 128, 128]");
+      bf16[i++] = t->to(at::kBFloat16);
     }
     p.pass = chunk_bwd::Pass::kGradients;
-    p.states = states->data_ptr<float>();
-    p.dstates = dstates->data_ptr<float>();
+    p.states = reinterpret_cast<const __nv_bfloat16*>(bf16[0].data_ptr());
+    p.dstates = reinterpret_cast<const __nv_bfloat16*>(bf16[1].data_ptr());
     // Zeros only where some token may lie in no chunk (varlen); else the kernel writes every one.
     const auto make = [every_token](const at::Tensor& like) {
       return every_token ? at::empty_like(like) : at::zeros_like(like);
@@ -149,9 +153,10 @@ std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tenso
 // kernels: the forward (its output dropped) writes the state before chunk j of sequence n into
 // states[slots[n, j]], then chunk_state_grad walks the forward's records backwards from `dht` and
 // writes the gradient of the state after that chunk into dstates[slots[n, j]]. Returns the initial
-// state's gradient [N, HV, D, D] fp32. The token inputs and options are chunk_fwd's; initial_state,
-// dht, states and dstates are key-first fp32 ([N, HV, D, D]; [slots, HV, D, D] contiguous pools),
-// dO [B, T, HV, D] in q's dtype, slots [N, columns] int32 or int64 (an entry outside the pools: none).
+// state's gradient [N, HV, D, D] fp32. The token inputs and options are chunk_fwd's; initial_state
+// and dht key-first fp32 [N, HV, D, D]; states and dstates key-first contiguous pools [slots, HV, D,
+// D] of one dtype, fp32 or bf16; dO [B, T, HV, D] in q's dtype; slots [N, columns] int32 or int64
+// (an entry outside the pools: none).
 at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
                             const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
@@ -165,9 +170,10 @@ at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(dO.scalar_type() == q.scalar_type() && dO.sizes() == v.sizes(),
               "flashkda: dO must have v's shape and q's dtype");
   for (const auto& [t, name] : {std::pair{&states, "states"}, {&dstates, "dstates"}})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "flashkda: ", name,
-                " must be a contiguous float32 pool");
-  TORCH_CHECK(dstates.sizes() == states.sizes(), "flashkda: dstates must have the shape of states");
+    TORCH_CHECK((t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16) && t->is_contiguous(), "flashkda: ",
+                name, " must be a contiguous float32 or bfloat16 pool");
+  TORCH_CHECK(dstates.sizes() == states.sizes() && dstates.scalar_type() == states.scalar_type(),
+              "flashkda: dstates must have the shape and dtype of states");
   const at::Tensor o = at::empty_like(v, at::MemoryFormat::Contiguous);
   ChunkForwardRun run;
   chunk_fwd_impl(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, std::nullopt, o, scale, gate_mode,
@@ -185,7 +191,7 @@ at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::
   p.state_in = dht.data_ptr(), p.state_in_dtype = DType::kFloat32;
   p.state_out = dS0.data_ptr(), p.state_out_dtype = DType::kFloat32;
   p.state_slot_stride = int64_t(p.HV) * D * D;
-  p.chunk_states = dstates.data_ptr();
+  p.chunk_states = dstates.data_ptr();  // chunk_states_dtype, entries and stride: as states'
   p.has_initial_state = nullptr;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -13,6 +13,8 @@
 // the gradients of the chunk's preprocessed inputs.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 #include "flashkda/common/recurrent_params.h"
@@ -47,10 +49,10 @@ struct ChunkBwdParams {
   float* trans_D;
   float* trans_B;
   float* trans_Y;
-  // kGradients: inputs, [chunks, HV, D, D] fp32 (key rows, value columns): the state at the chunk's
-  // start and the gradient of the state after it.
-  const float* states;
-  const float* dstates;
+  // kGradients: inputs, [chunks, HV, D, D] bf16 (key rows, value columns): the state at the chunk's
+  // start and the gradient of the state after it (the products take them as bf16 operands).
+  const __nv_bfloat16* states;
+  const __nv_bfloat16* dstates;
   // kGradients: outputs, fp32, token rows as the inputs (rows of other tokens untouched).
   float* dq;     // [rows, HV, D]
   float* dk;     // [rows, HV, D]

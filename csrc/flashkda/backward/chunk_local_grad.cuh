@@ -231,19 +231,24 @@ struct Block {
       }
     }
   }
-  // The [kHeadDim][kHeadDim] fp32 matrix of this (chunk, head) in x, into a bf16 state tile; with
-  // y, f(row, col, x4, y4) also sees each four values of x with those of y (loads first, as fill,
-  // in kParts parts: the registers of the gradients pass allow no more in flight). The 32 lanes of
-  // a warp hold one row per step.
+  // The [kHeadDim][kHeadDim] bf16 matrix of this (chunk, head) in x, into a bf16 state tile; with
+  // y, f(row, col, x4, y4) also sees each four values of x with those of y, in fp32 (loads first,
+  // as fill, in kParts parts: the registers of the gradients pass allow no more in flight). The 32
+  // lanes of a warp hold one row per step.
   template <class F>
-  __device__ __forceinline__ void fill_state(const StateTile& tile, const float* x, const float* y, F&& f) const {
+  __device__ __forceinline__ void fill_state(const StateTile& tile, const Bf16* x, const Bf16* y, F&& f) const {
     constexpr int kPerRow = kHeadDim / 4, kParts = 4, kIters = kHeadDim * kPerRow / kThreads / kParts;
     const int64_t base = (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim) / 4;
-    const float4* xs = reinterpret_cast<const float4*>(x) + base;
-    const float4* ys = reinterpret_cast<const float4*>(y) + base;
+    const uint2* xs = reinterpret_cast<const uint2*>(x) + base;  // four bf16 each
+    const uint2* ys = reinterpret_cast<const uint2*>(y) + base;
+    auto unpack = [](const uint2& u) {
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+      return make_float4(lo.x, lo.y, hi.x, hi.y);
+    };
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
-      float4 v[kIters], w[kIters];
+      uint2 v[kIters], w[kIters];
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int i = threadIdx.x + (part * kIters + it) * kThreads;
@@ -253,13 +258,12 @@ struct Block {
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int i = threadIdx.x + (part * kIters + it) * kThreads, r = i / kPerRow, c = (i % kPerRow) * 4;
-        tile.store2(r, c, v[it].x, v[it].y);
-        tile.store2(r, c + 2, v[it].z, v[it].w);
-        if (y != nullptr) f(r, c, v[it], w[it]);
+        *reinterpret_cast<uint2*>(tile.p + r * StateTile::kStride + c) = v[it];  // already bf16
+        if (y != nullptr) f(r, c, unpack(v[it]), unpack(w[it]));
       }
     }
   }
-  __device__ __forceinline__ void fill_state(const StateTile& tile, const float* x) const {
+  __device__ __forceinline__ void fill_state(const StateTile& tile, const Bf16* x) const {
     fill_state(tile, x, nullptr, [](int, int, const float4&, const float4&) {});
   }
 };
