@@ -81,7 +81,8 @@ def describe() -> list:
                       "sequence)" + (", the bulk-copy kernel (other bf16 pools)" if cc >= (9, 0) else "") +
                       "; the token-by-token kernel otherwise")
         bwd_short = _ext.chunk_bwd_shortfall(index)
-        backward = ("the backward's kernels (chunk_local_grad, chunk_state_scan) for K = V = 128 and gates whose "
+        backward = ("the backward's kernels (the forward's and chunk_state_grad for the states at chunk boundaries, "
+                    "chunk_state_scan for fp32 inputs, chunk_local_grad per chunk) for K = V = 128 and gates whose "
                     "log decay over 16 tokens stays within their span, a PyTorch backward otherwise"
                     if bwd_short is None else f"a PyTorch backward ({bwd_short})")
         backward += "; the per-token preprocessing and its gradients on chunk_bwd_tokens (K = V = 128)"
