@@ -477,9 +477,11 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     def flat(x, d):
         return x.reshape(rows, HV, d).to(f32).contiguous()
 
-    q32, k32, v32, g32 = flat(qp, K), flat(kp, K), flat(v, V), flat(gp, K)
+    q32, k32, g32 = flat(qp, K), flat(kp, K), flat(gp, K)
     b32 = bp.reshape(rows, HV).to(f32).contiguous()
-    dO = torch.zeros(rows, HV, V, dtype=f32, device=qp.device) if do is None else flat(do, V)
+    # v and dO in their own dtype: the kernel takes them as bf16 operands (others rounded by the op).
+    v16 = v.reshape(rows, HV, V).contiguous()
+    dO = v16.new_zeros(rows, HV, V) if do is None else do.reshape(rows, HV, V).contiguous()
     bos, length, seq_first, seq_chunks, N, C = _kernel_chunks(B, T, opts.cu_seqlens, qp.device)
     if C == 0 or rows == 0:  # no token: the initial state's gradient is the final state's
         return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
@@ -491,12 +493,12 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
         slots = torch.where(j[None] < seq_chunks[:, None], seq_first[:, None].to(torch.int32) + j[None], -1)
         dS0 = boundary_states(states, nexts, slots)
     else:
-        D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 0)
+        D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 0)
         (states,) = _ext.chunk_state_scan_op(D, Bm, S0.contiguous(), seq_first, seq_chunks, False)
         del Bm  # each map is freed once its scan is done: the gradients pass's outputs take its place
         nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.contiguous(), seq_first, seq_chunks, True)
         del D, Y
-    dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v32, g32, b32, dO, bos, length, 1, states, nexts,
+    dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 1, states, nexts,
                                                   opts.cu_seqlens is None)  # without cu_seqlens, every token
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),
             db.view(B, T, HV), dS0)

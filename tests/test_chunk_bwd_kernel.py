@@ -27,6 +27,7 @@ def _chunk_index(bos: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Te
 def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None, every_token=False):
     """What ``torch.ops.flashkda.chunk_local_grad`` computes, from flashkda.autograd's chunk math."""
     rows, HV, K = q.shape
+    v, dO = v.to(q.dtype), dO.to(q.dtype)  # the op takes them in any float dtype
     idx = _chunk_index(bos, length, rows)
 
     def chunks(x):  # [rows, HV, D] -> [chunks, HV, CHUNK, D]

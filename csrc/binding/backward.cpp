@@ -19,9 +19,12 @@ namespace flashkda::binding {
 
 namespace {
 
-void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bool per_channel) {
+void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bool per_channel,
+                  bool any_float = false) {
   check_cuda(t, q, name);
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "flashkda: ", name, " must be contiguous float32");
+  TORCH_CHECK((t.scalar_type() == at::kFloat || (any_float && at::isFloatingType(t.scalar_type()))) &&
+                  t.is_contiguous(),
+              "flashkda: ", name, any_float ? " must be a contiguous floating tensor" : " must be contiguous float32");
   TORCH_CHECK(per_channel ? (t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(1) &&
                              t.size(2) == chunk::kHeadDim)
                           : (t.dim() == 2 && t.size(0) == q.size(0) && t.size(1) == q.size(1)),
@@ -40,8 +43,11 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          const std::optional<at::Tensor>& states,
                                          const std::optional<at::Tensor>& dstates, bool every_token) {
   TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&dO, "dO"}})
-    check_tokens(*t, q, name, true);
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&g, "g"}}) check_tokens(*t, q, name, true);
+  // v and dO: any float dtype; the kernel reads bf16, its operand type (others rounded here).
+  check_tokens(v, q, "v", true, true);
+  check_tokens(dO, q, "dO", true, true);
+  const at::Tensor v16 = v.to(at::kBFloat16), dO16 = dO.to(at::kBFloat16);
   check_tokens(beta, q, "beta", false);
   check_cuda(chunk_bos, q, "chunk_bos");
   check_cuda(chunk_len, q, "chunk_len");
@@ -54,10 +60,10 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
   ChunkBwdParams p{};
   p.q = q.data_ptr<float>();
   p.k = k.data_ptr<float>();
-  p.v = v.data_ptr<float>();
+  p.v = reinterpret_cast<const __nv_bfloat16*>(v16.data_ptr());
   p.g = g.data_ptr<float>();
   p.beta = beta.data_ptr<float>();
-  p.dO = dO.data_ptr<float>();
+  p.dO = reinterpret_cast<const __nv_bfloat16*>(dO16.data_ptr());
   p.chunk_bos = chunk_bos.data_ptr<int64_t>();
   p.chunk_len = chunk_len.data_ptr<int32_t>();
   p.chunks = chunks;

@@ -30,14 +30,15 @@ enum class Pass : int32_t {
 }  // namespace chunk_bwd
 
 struct ChunkBwdParams {
-  // Preprocessed token tensors, fp32, contiguous, rows = B * T tokens, HV heads (q̂ and k̂ already
-  // repeated over the heads of a group). D = chunk::kHeadDim.
-  const float* q;      // [rows, HV, D] q̂ = scale · l2norm(q)
-  const float* k;      // [rows, HV, D] k̂
-  const float* v;      // [rows, HV, D]
-  const float* g;      // [rows, HV, D] log decay of every token and key channel (≤ 0)
-  const float* beta;   // [rows, HV]
-  const float* dO;     // [rows, HV, D] gradient of the output
+  // Token tensors, contiguous, rows = B * T tokens, HV heads (q̂ and k̂ already repeated over the
+  // heads of a group): the preprocessed ones fp32, v and dO bf16 (the products' operand type, which
+  // is all the kernel makes of them). D = chunk::kHeadDim.
+  const float* q;              // [rows, HV, D] q̂ = scale · l2norm(q)
+  const float* k;              // [rows, HV, D] k̂
+  const __nv_bfloat16* v;      // [rows, HV, D]
+  const float* g;              // [rows, HV, D] log decay of every token and key channel (≤ 0)
+  const float* beta;           // [rows, HV]
+  const __nv_bfloat16* dO;     // [rows, HV, D] gradient of the output
   // Chunks: chunk c holds tokens chunk_bos[c] .. chunk_bos[c] + chunk_len[c] - 1 (len 0: an empty
   // chunk of a shorter sequence, whose map is the identity).
   const int64_t* chunk_bos;  // [chunks]

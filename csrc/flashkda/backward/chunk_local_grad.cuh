@@ -209,11 +209,19 @@ struct Block {
   }
   __device__ __forceinline__ float pair_factor(int a, int b, int c) const { return a == b ? 1.f : factor(a, b)[c]; }
 
-  // tile[t][c] = f(t, c, x[t][c]) over the chunk, from an fp32 token tensor. A thread issues its
-  // loads before its stores, in two parts (the loads' latency, not their bandwidth, bounds these
-  // fills; the registers of the gradients pass allow no more in flight).
-  template <class F>
-  __device__ __forceinline__ void fill(const ChunkTile& tile, const float* x, F&& f) const {
+  // Four consecutive elements of a token tensor (fp32, or bf16 as fp32).
+  __device__ __forceinline__ static float4 load4(const float* x) { return __ldg(reinterpret_cast<const float4*>(x)); }
+  __device__ __forceinline__ static float4 load4(const Bf16* x) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(x));
+    const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+  // tile[t][c] = f(t, c, x[t][c]) over the chunk, from a token tensor (fp32 or bf16). A thread
+  // issues its loads before its stores, in two parts (the loads' latency, not their bandwidth,
+  // bounds these fills; the registers of the gradients pass allow no more in flight).
+  template <class Src, class F>
+  __device__ __forceinline__ void fill(const ChunkTile& tile, const Src* x, F&& f) const {
     constexpr int kPerRow = kHeadDim / 4, kParts = 2, kIters = kChunk * kPerRow / kThreads / kParts;
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
@@ -221,7 +229,7 @@ struct Block {
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int i = threadIdx.x + (part * kIters + it) * kThreads, t = i / kPerRow, c = (i % kPerRow) * 4;
-        v[it] = t < len ? __ldg(reinterpret_cast<const float4*>(x + at(t, c))) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[it] = t < len ? load4(x + at(t, c)) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
