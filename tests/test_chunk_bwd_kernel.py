@@ -343,6 +343,9 @@ STATE_GRAD_CASES = {
     "kda_gva_bf16_varlen": dict(lens=[1, 17, 0, 97, 1030, 64], H=2, HV=4, gate="lower_bound", dtype=torch.bfloat16),
     "kda_softplus_bf16_b2": dict(B=2, T=200, H=2, gate="softplus", dtype=torch.bfloat16),
     "gdn_fp16_varlen": dict(lens=[130, 3, 64], H=2, gate="precomputed", gdn=True, dtype=torch.float16),
+    # Two chains of 100 chunks on average: the forward runs in segments (chunk_plan.h), whose
+    # output pass writes the states; the backward walk runs whole chains on the same records.
+    "kda_segmented_forward": dict(lens=[12763, 37], H=1, gate="lower_bound", dtype=torch.bfloat16),
 }
 
 
