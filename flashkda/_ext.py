@@ -56,6 +56,14 @@ def kernel_param(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return kernel_float(t if t.is_contiguous() else t.contiguous())
 
 
+def chunk_gate_beta(g: torch.Tensor, beta: torch.Tensor):
+    """``(g, beta)`` as the chunked kernels' op takes them: kernel_float, a scalar gate and beta with a
+    contiguous last dim (q, k, v and a per-channel g whose rows do not start on 16 bytes: the binding
+    reads a copy)."""
+    g = kernel_float(g)
+    return (g if g.dim() == 4 else last_dim_contiguous(g)), last_dim_contiguous(kernel_float(beta))
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 

@@ -334,10 +334,7 @@ def _chunk_kernel_unsupported(p: _Problem, q) -> Optional[str]:
 def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,
                       l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first, chunk_states=None,
                       chunk_state_slots=None, ssm_state_indices=None, has_initial_state=None):
-    # q, k, v and a per-channel g whose rows do not start on 16 bytes: the binding reads a copy.
-    g = _ext.kernel_float(g)
-    g = g if g.dim() == 4 else _ext.last_dim_contiguous(g)
-    beta = _ext.last_dim_contiguous(_ext.kernel_float(beta))
+    g, beta = _ext.chunk_gate_beta(g, beta)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
     if p.serving:  # the pool is read and written in place

@@ -24,9 +24,11 @@ The backward splits the recurrence at 64-token chunks (the layout of the kernels
    which writes each gradient in its input's dtype and the gate parameters' sums per tile of
    tokens; else :func:`_preprocess_grads`).
 
-Steps 2-4 run on the CUDA kernels (:func:`_kernel_backward`: ``chunk_local_grad``'s two passes and
-``chunk_state_scan``, bf16 tensor-core products with fp32 accumulation) where they serve (sm_90,
-K = V = 128, log decays within their 16-token span), else in PyTorch (:func:`_torch_backward`,
+Steps 2-4 run on the CUDA kernels (:func:`_kernel_backward`, bf16 tensor-core products with fp32
+accumulation) where they serve (sm_90, K = V = 128, log decays within their 16-token span): step 3
+for bf16 / fp16 inputs from the forward kernels run again and ``chunk_state_grad`` on their records
+(:func:`_chunked_boundary_states`), for fp32 inputs from ``chunk_local_grad``'s transitions pass and
+``chunk_state_scan``; step 4 is ``chunk_local_grad``'s gradients pass. Else they run in PyTorch (:func:`_torch_backward`,
 fp32, written out with no autograd graph inside). There, within a chunk only ``e^{Γi−Γj}`` for
 ``j <= i`` is formed, each factor at most 1 (see :func:`_decayed_grams`), and the gradient in ``g``
 follows the same sums (:func:`_gram_grads`): unbounded softplus gates and masks such as
@@ -464,7 +466,7 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
 
     The states at chunk starts and the gradients of the states after chunks come from
-    ``boundary_states(states, dstates, slots)`` (the chunked forward kernels and chunk_state_grad on
+    ``boundary_states(states, dstates)`` (the chunked forward kernels and chunk_state_grad on
     their records, see :func:`_chunked_boundary_states`; it returns dS0) when given, else from the
     per-chunk kernel's state maps (D, B) and Y = Pᵀ dO and two scans over chunks. The per-chunk
     kernel's gradients pass then writes every token's gradients. Nothing is read back to the host
@@ -486,12 +488,9 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     if C == 0 or rows == 0:  # no token: the initial state's gradient is the final state's
         return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
     if boundary_states is not None:
-        # Chunk j of sequence n is entry seq_first[n] + j of both pools; columns past a sequence's
-        # chunks name no entry (-1).
+        # Chunk j of sequence n is entry seq_first[n] + j, the forward kernels' dense chunk states.
         states, nexts = (q32.new_empty(C, HV, K, V, dtype=_BOUNDARY_STATE_DTYPE) for _ in range(2))
-        j = torch.arange(C, dtype=torch.int32, device=qp.device)
-        slots = torch.where(j[None] < seq_chunks[:, None], seq_first[:, None].to(torch.int32) + j[None], -1)
-        dS0 = boundary_states(states, nexts, slots)
+        dS0 = boundary_states(states, nexts)
     else:
         D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 0)
         (states,) = _ext.chunk_state_scan_op(D, Bm, S0.contiguous(), seq_first, seq_chunks, False)
@@ -602,28 +601,24 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.contiguous()
 
 
-def _chunked_boundary_states(opts: ChunkOptions, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
-    """``boundary_states(states, dstates, slots) -> dS0`` for :func:`_kernel_backward` on the chunked
-    forward kernels (bf16 / fp16 inputs): the forward again, writing the state at every chunk start,
-    then chunk_state_grad on its records (one op, ``flashkda::chunk_state_grad``), or None when those
-    kernels do not take the inputs."""
+def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
+    """``boundary_states(states, dstates) -> dS0`` for :func:`_kernel_backward` on the chunked forward
+    kernels (bf16 / fp16 inputs): the forward again, writing the state at every chunk start, then
+    chunk_state_grad on its records (one op, ``flashkda::chunk_state_grad``; ``flags``: its scale,
+    gate mode, lower bound, l2norm, beta sigmoid, allow_neg_eigval), or None when those kernels do
+    not take the inputs."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not hasattr(_ext, "chunk_state_grad_op"):
         return None
     if _ext.chunk_smem_shortfall(q.get_device()) is not None:
         return None
-    g = _ext.kernel_float(g)  # the arguments as the forward's op took them (flashkda.api)
-    g = g if g.dim() == 4 else _ext.last_dim_contiguous(g)
-    beta = _ext.last_dim_contiguous(_ext.kernel_float(beta))
+    g, beta = _ext.chunk_gate_beta(g, beta)  # the arguments as the forward's op took them
     gate = [_ext.kernel_param(t) for t in (gate_A, gate_dt)]
     dO = torch.zeros_like(v) if do is None else do.to(v.dtype)
     cu = None if opts.cu_seqlens is None else opts.cu_seqlens.contiguous()
-    lower = opts.lower_bound if opts.lower_bound is not None else 0.0
 
-    def boundary_states(states, dstates, slots):
-        return _ext.chunk_state_grad_op(
-            q, k, v, g, beta, *gate, cu, S0.contiguous(), opts.scale,
-            C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound), lower, opts.use_qk_l2norm_in_kernel,
-            opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval, dO, dS.contiguous(), states, dstates, slots)
+    def boundary_states(states, dstates):
+        return _ext.chunk_state_grad_op(q, k, v, g, beta, *gate, cu, S0.contiguous(), *flags, dO, dS.contiguous(),
+                                        states, dstates)
 
     return boundary_states
 
@@ -639,13 +634,14 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     gate_A, gate_dt = (A_log, dt_bias) if opts.use_gate_in_kernel else (None, None)
     group = HV // H
     tokens = _token_kernels_serve(q, k, v, g, beta, gate_A, gate_dt)
+    # The kernels' options: scale, gate mode, lower bound, l2norm, beta sigmoid, allow_neg_eigval.
+    flags = (opts.scale, C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound),
+             opts.lower_bound if opts.lower_bound is not None else 0.0, opts.use_qk_l2norm_in_kernel,
+             opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
     if tokens:  # one pass over the raw inputs on the GPU, q̂ and k̂ per value head
         g_rows = _rows_aligned(g) if g.dim() == 4 else _ext.last_dim_contiguous(g)
         raw = (_rows_aligned(q), _rows_aligned(k), v, g_rows, _ext.last_dim_contiguous(beta),
                None if gate_A is None else gate_A.contiguous(), None if gate_dt is None else gate_dt.contiguous())
-        flags = (opts.scale, C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound),
-                 opts.lower_bound if opts.lower_bound is not None else 0.0, opts.use_qk_l2norm_in_kernel,
-                 opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
         qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
         gate = gp[..., 0] if g.dim() == 3 else gp  # a scalar gate's spans are its head's
     else:
@@ -670,7 +666,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     if why is None:
         dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(
             opts, qp, kp, v, gp, bp, S0, dS, do,
-            _chunked_boundary_states(opts, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do))
+            _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do))
     else:
         _ext.log.debug("flashkda: chunked backward on PyTorch (%s)", why)
         dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do)

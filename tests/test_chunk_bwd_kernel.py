@@ -133,13 +133,12 @@ KERNEL_GLUE_CASES = {
 }
 
 
-def boundary_states_reference(opts, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
+def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
     """What ``ag._chunked_boundary_states`` hands the backward, from the references: the chunk maps
-    of the preprocessed inputs and both scans, written into the pools at the given slots."""
+    of the preprocessed inputs and both scans, in the backward's chunk layout (the forward kernels'
+    dense chunk states)."""
 
-    def boundary_states(states_pool, dstates_pool, slots):
-        flags = (opts.scale, C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound), opts.lower_bound or 0.0,
-                 opts.use_qk_l2norm_in_kernel, opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
+    def boundary_states(states_pool, dstates_pool):
         qp, kp, gp, bp = token_inputs_reference(q, k, v, g, beta, gate_A, gate_dt, *flags)
         B, T, HV, K = qp.shape
         rows = B * T
@@ -150,10 +149,8 @@ def boundary_states_reference(opts, q, k, v, g, beta, gate_A, gate_dt, S0, dS, d
         maps, offsets, Y = local_grad_reference(*flat, bp.reshape(rows, HV).to(f32), dO, bos, length, 0)
         (states,) = state_scan_reference(maps, offsets, S0, first, count, False)
         nexts, dS0 = state_scan_reference(maps, Y, dS, first, count, True)
-        for n in range(N):
-            for j in range(int(count[n])):
-                states_pool[slots[n, j]] = states[first[n] + j]
-                dstates_pool[slots[n, j]] = nexts[first[n] + j]
+        states_pool.copy_(states)
+        dstates_pool.copy_(nexts)
         return dS0
 
     return boundary_states
@@ -166,8 +163,7 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens, bounda
     """The backward on the kernel pass (here its reference) gives the PyTorch backward's gradients
     (chunk layout, scans, GVA, GDN, state layouts, sequences without tokens), with the per-token
     work in PyTorch or on its kernels' path (their references: the glue around them), and the
-    states at chunk boundaries from the scans or from the forward kernels (their reference: the
-    pools' slots)."""
+    states at chunk boundaries from the scans or from the forward kernels (their reference)."""
     from test_autograd import _through_chunk_function, _upstream
 
     monkeypatch.setattr(_ext, "chunk_local_grad_op", local_grad_reference, raising=False)
@@ -370,12 +366,9 @@ def test_chunk_state_grad_matches_reference(case):
     S0 = kw["initial_state"].float()
     cu = kw.get("cu_seqlens")
     bos, length, first, count, N, chunks = ag._kernel_chunks(B, T, cu, "cuda")
-    j = torch.arange(chunks, dtype=torch.int32, device="cuda")
-    slots = torch.where(j[None] < count[:, None], first[:, None].to(torch.int32) + j[None], -1)
     states, nexts = (torch.full((chunks, HV, K, K), float("nan"), device="cuda", dtype=ag._BOUNDARY_STATE_DTYPE)
                      for _ in range(2))
-    dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, flags[0], flags[1], flags[2], True,
-                                   True, False, do, dht, states, nexts, slots)
+    dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, *flags, do, dht, states, nexts)
 
     qp, kp, gp, bp = (x.double().cpu() for x in token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags))
     rows = B * T

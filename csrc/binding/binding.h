@@ -133,7 +133,7 @@ at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& initial_state, double scale, int64_t gate_mode,
                             double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval,
                             const at::Tensor& dO, const at::Tensor& dht, const at::Tensor& states,
-                            const at::Tensor& dstates, const at::Tensor& slots);
+                            const at::Tensor& dstates);
 std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,

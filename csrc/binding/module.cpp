@@ -35,8 +35,8 @@ TORCH_LIBRARY(flashkda, m) {
   m.def(
       "chunk_state_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? cu_seqlens, Tensor? initial_state, float scale, int gate_mode, float lower_bound, bool l2norm, "
-      "bool beta_sigmoid, bool allow_neg_eigval, Tensor dO, Tensor dht, Tensor(a!) states, Tensor(b!) dstates, "
-      "Tensor slots) -> Tensor");
+      "bool beta_sigmoid, bool allow_neg_eigval, Tensor dO, Tensor dht, Tensor(a!) states, Tensor(b!) dstates) "
+      "-> Tensor");
   m.def(
       "chunk_bwd_inputs(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "float scale, int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) "

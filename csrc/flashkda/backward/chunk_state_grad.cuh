@@ -12,13 +12,14 @@
 // from registers and shared memory only (mma.sync, bf16/fp16 operands, fp32 accumulation, as the
 // forward's products). dO streams into the stage's v tile (record token order, zero rows past the
 // chunk's end) with the record. Before a chunk's step, Gᵀ (the gradient of the state after that
-// chunk) goes to the chunk's slot of the pool `chunk_states` (ChunkParams::chunk_state_slots); after
-// the first chunk it is the initial state's gradient (state_out). The final state's gradient comes
-// in as state_in. Fields of ChunkParams that this kernel reads differently from the forward:
+// chunk) goes to the chunk's entry of `chunk_states` (dense, as the forward's: the sequence's first
+// chunk slot + the chunk); after the first chunk it is the initial state's gradient (state_out).
+// The final state's gradient comes in as state_in. Fields of ChunkParams that this kernel reads
+// differently from the forward:
 //   v (and its strides)  dO [B, T, HV, V] in the token tensors' element type
 //   state_in             the final state's gradient (state_in_dtype, state_v_first)
 //   state_out            the initial state's gradient (state_out_dtype, state_v_first)
-//   chunk_states         the gradients of the states after each chunk (a pool with slots)
+//   chunk_states         the gradients of the states after each chunk (dense entries)
 #pragma once
 
 #include "flashkda/prefill/chunk_recurrence.cuh"
@@ -43,26 +44,6 @@ __device__ __forceinline__ void times_triangular(float (&acc)[kChunk / 8][4], co
       sm80::mma_16816<Elem>(acc[2 * c + 1], a[r], bf[2], bf[3]);
     }
 }
-
-// The pool slots of a sequence's chunks for a backward walk: lane c holds chunk `top` − c's, the
-// next 32 loaded while these are used (SlotBlock's scheme, in reverse).
-struct ReverseSlotBlock {
-  static constexpr int kChunks = 32;
-  int64_t next = -1, cur = -1;
-
-  __device__ __forceinline__ void load(const ChunkParams& p, int n, int64_t top, int lane) {
-    const int64_t j = top - lane;
-    next = -1;
-    if (j < 0 || j >= p.chunk_slot_cols) return;
-    next = load_index(p.chunk_state_slots, p.chunk_slot_type, int64_t(n) * p.chunk_slot_row_stride + j);
-  }
-  // At step i (i % kChunks == 0, chunk top = last − i): takes the loaded block, starts the next.
-  __device__ __forceinline__ void advance(const ChunkParams& p, int n, int64_t top, int lane) {
-    cur = next;
-    load(p, n, top - kChunks, lane);
-  }
-  __device__ __forceinline__ int64_t slot(int64_t i) const { return __shfl_sync(0xffffffffu, cur, int(i % kChunks)); }
-};
 
 template <typename Elem, int kBlockV>
 __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
@@ -93,52 +74,33 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int v = v_glob + g8 + 8 * (e >> 1), d = 8 * nt + 2 * t4 + (e & 1);
-      const int64_t i = state_base + state_offset(p.state_v_first, v, d);
-      s[nt][e] = p.state_in == nullptr ? 0.f
-                 : p.state_in_dtype == DType::kBFloat16
-                     ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
-                     : static_cast<const float*>(p.state_in)[i];
+      s[nt][e] = p.state_in == nullptr ? 0.f : state_in_element(p, state_base + state_offset(p.state_v_first, v, d));
     }
 
   const Elem* dobase = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + hv * p.v_head_stride +
                        vblock * kBlockV;
-  auto chunk_len = [&](int64_t j) {
-    const int64_t rest = seq.len - j * kChunk;
-    return int(rest < kChunk ? rest : kChunk);
-  };
   // Step i takes chunk nchunks − 1 − i.
   auto issue = [&](int64_t i) {
     const int64_t j = nchunks - 1 - i;
     if (j >= 0)
-      load_stage<Elem, Shape, kCpAsyncMma>(
-          p, stages[i % kStages], nullptr,
-          static_cast<const uint8_t*>(p.workspace) + ((seq.first_slot + j) * p.HV + hv) * WorkspaceLayout::kRecordBytes,
-          dobase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_len(j));
+      load_stage<Elem, Shape, kCpAsyncMma>(p, stages[i % kStages], nullptr, chunk_record(p, seq, j, hv),
+                                           dobase + (seq.bos + j * kChunk) * p.v_token_stride, chunk_tokens(seq, j));
     sm80::cp_async_commit();
   };
-  auto state_dst = [&](int64_t slot) -> void* {
-    return static_cast<char*>(p.chunk_states) +
-           (slot * p.chunk_state_stride + int64_t(hv) * kHeadDim * kHeadDim) * dtype_bytes(p.chunk_states_dtype);
-  };
-  const bool stores_states = p.chunk_states != nullptr && p.chunk_state_slots != nullptr;
 
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
-  ReverseSlotBlock slots;
-  if (stores_states) slots.load(p, n, nchunks - 1, lane);
   for (int64_t i = 0; i < nchunks; ++i) {
     Stage& st = stages[i % kStages];
     __syncthreads();  // every warp is done with the stage that the next load overwrites
     issue(i + kStages - 1);
     sm80::cp_async_wait<kStages - 1>();
     __syncthreads();
-    // The gradient of the state after chunk nchunks − 1 − i.
-    if (stores_states) {
-      if (i % ReverseSlotBlock::kChunks == 0) slots.advance(p, n, nchunks - 1 - i, lane);
-      const int64_t slot = slots.slot(i);
-      if (slot >= 0 && slot < p.chunk_state_entries)
-        store_state(state_dst(slot), p.chunk_states_dtype, p.state_v_first, s, v_glob, g8, t4);
-    }
+    // The gradient of the state after chunk nchunks − 1 − i, at that chunk's entry (as the forward's
+    // dense chunk states: the sequence's first chunk slot + the chunk).
+    if (p.chunk_states != nullptr)
+      if (void* dst = chunk_state_at(p, seq.first_slot + nchunks - 1 - i, hv))
+        store_state(dst, p.chunk_states_dtype, p.state_v_first, s, v_glob, g8, t4);
 
     const uint32_t w_s = sm80::smem_u32(st.w), qd_s = sm80::smem_u32(st.qd), kd_s = sm80::smem_u32(st.kd);
     const uint32_t mqk_s = sm80::smem_u32(st.mqk), do_s = sm80::smem_u32(st.v);

@@ -160,6 +160,30 @@ __device__ __forceinline__ void store_state(void* dst, DType dt, bool v_first, c
   }
 }
 
+// Element i of the initial state state_in (fp32 or bf16, ChunkParams::state_in_dtype).
+__device__ __forceinline__ float state_in_element(const ChunkParams& p, int64_t i) {
+  return p.state_in_dtype == DType::kBFloat16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
+                                              : static_cast<const float*>(p.state_in)[i];
+}
+
+// Tokens of chunk j of a sequence (kChunk but in its last chunk).
+__device__ __forceinline__ int chunk_tokens(const SeqSpan& seq, int64_t j) {
+  const int64_t rest = seq.len - j * kChunk;
+  return int(rest < kChunk ? rest : kChunk);
+}
+
+// chunk_prepare's record of chunk j of a sequence for value head hv.
+__device__ __forceinline__ const uint8_t* chunk_record(const ChunkParams& p, const SeqSpan& seq, int64_t j, int hv) {
+  return static_cast<const uint8_t*>(p.workspace) + ((seq.first_slot + j) * p.HV + hv) * WorkspaceLayout::kRecordBytes;
+}
+
+// Value head hv's matrix at entry (dense) or slot (pool) `entry` of chunk_states, or nullptr outside it.
+__device__ __forceinline__ void* chunk_state_at(const ChunkParams& p, int64_t entry, int hv) {
+  if (entry < 0 || entry >= p.chunk_state_entries) return nullptr;
+  return static_cast<char*>(p.chunk_states) +
+         (entry * p.chunk_state_stride + int64_t(hv) * kHeadDim * kHeadDim) * dtype_bytes(p.chunk_states_dtype);
+}
+
 // The pool slots (ChunkParams::chunk_state_slots) of a block of kChunks consecutive chunks, lane c
 // holding chunk c's, with the next block's already in flight: loaded raw (int32 or int64) and read
 // only kChunks steps later, so no step waits for a load.
@@ -345,10 +369,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
           } else if (transition) {
             x = v == d ? 1.f : 0.f;
           } else if (from_state_in) {
-            const int64_t i = state_base + state_offset(p.state_v_first, v, d);
-            x = p.state_in_dtype == DType::kBFloat16
-                    ? __bfloat162float(static_cast<const __nv_bfloat16*>(p.state_in)[i])
-                    : static_cast<const float*>(p.state_in)[i];
+            x = state_in_element(p, state_base + state_offset(p.state_v_first, v, d));
           }
           s[nt][e] = x;
         }
@@ -357,14 +378,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     const Elem* vbase = static_cast<const Elem*>(p.v) + seq.batch * p.v_batch_stride + hv * p.v_head_stride +
                         vblock * kBlockV;
     Elem* obase = static_cast<Elem*>(p.o) + seq.batch * p.o_batch_stride + hv * p.o_head_stride + vblock * kBlockV;
-    auto record = [&](int64_t j) {
-      return static_cast<const uint8_t*>(p.workspace) +
-             ((seq.first_slot + j) * p.HV + hv) * WorkspaceLayout::kRecordBytes;
-    };
-    auto chunk_len = [&](int64_t j) {
-      const int64_t rest = seq.len - j * kChunk;
-      return int(rest < kChunk ? rest : kChunk);
-    };
+    auto chunk_len = [&](int64_t j) { return chunk_tokens(seq, j); };
     const bool writes_output = pass != RecurrencePass::kSegmentLocal;
     // States at chunk starts: the local pass of a segment runs from zero (its states are not the
     // sequence's); the output pass starts from the true one.
@@ -375,17 +389,13 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     auto issue = [&](int64_t i) {  // loads of the range's chunk i into its stage (one cp.async group, maybe empty)
       const int64_t j = j0 + i;
       if (j < j1)  // the transition runs with v = 0: a zero-filled v tile
-        load_stage<Elem, Shape, kVariant>(p, stages[i % kStages], &stage_full[i % kStages], record(j),
+        load_stage<Elem, Shape, kVariant>(p, stages[i % kStages], &stage_full[i % kStages], chunk_record(p, seq, j, hv),
                                           vbase + (seq.bos + j * kChunk) * p.v_token_stride,
                                           transition ? 0 : chunk_len(j));
       sm80::cp_async_commit();
     };
     // Where the state at a chunk start goes: entry (dense) or slot (pool) of chunk_states, or nullptr.
-    auto state_dst = [&](int64_t entry) -> void* {
-      if (entry < 0 || entry >= p.chunk_state_entries) return nullptr;
-      return static_cast<char*>(p.chunk_states) +
-             (entry * p.chunk_state_stride + int64_t(hv) * kHeadDim * kHeadDim) * dtype_bytes(p.chunk_states_dtype);
-    };
+    auto state_dst = [&](int64_t entry) { return chunk_state_at(p, entry, hv); };
     // chunk_prepare's records. The initial state and the varlen order above are read before it,
     // while chunk_prepare drains: chunk_prepare allows this grid only after its own wait, so what
     // they come from has completed (kernel_launch.cuh). The segment output pass is not overlapped.
