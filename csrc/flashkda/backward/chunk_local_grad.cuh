@@ -209,13 +209,16 @@ struct Block {
   }
   __device__ __forceinline__ float pair_factor(int a, int b, int c) const { return a == b ? 1.f : factor(a, b)[c]; }
 
-  // Four consecutive elements of a token tensor (fp32, or bf16 as fp32).
-  __device__ __forceinline__ static float4 load4(const float* x) { return __ldg(reinterpret_cast<const float4*>(x)); }
-  __device__ __forceinline__ static float4 load4(const Bf16* x) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(x));
+  // Four bf16 (one 8-byte word) as fp32.
+  __device__ __forceinline__ static float4 unpack4(const uint2& u) {
     const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
     const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
     return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+  // Four consecutive elements of a token tensor (fp32, or bf16 as fp32).
+  __device__ __forceinline__ static float4 load4(const float* x) { return __ldg(reinterpret_cast<const float4*>(x)); }
+  __device__ __forceinline__ static float4 load4(const Bf16* x) {
+    return unpack4(__ldg(reinterpret_cast<const uint2*>(x)));
   }
   // tile[t][c] = f(t, c, x[t][c]) over the chunk, from a token tensor (fp32 or bf16). A thread
   // issues its loads before its stores, in two parts (the loads' latency, not their bandwidth,
@@ -249,11 +252,6 @@ struct Block {
     const int64_t base = (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim) / 4;
     const uint2* xs = reinterpret_cast<const uint2*>(x) + base;  // four bf16 each
     const uint2* ys = reinterpret_cast<const uint2*>(y) + base;
-    auto unpack = [](const uint2& u) {
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
-      return make_float4(lo.x, lo.y, hi.x, hi.y);
-    };
 #pragma unroll
     for (int part = 0; part < kParts; ++part) {
       uint2 v[kIters], w[kIters];
@@ -267,7 +265,7 @@ struct Block {
       for (int it = 0; it < kIters; ++it) {
         const int i = threadIdx.x + (part * kIters + it) * kThreads, r = i / kPerRow, c = (i % kPerRow) * 4;
         *reinterpret_cast<uint2*>(tile.p + r * StateTile::kStride + c) = v[it];  // already bf16
-        if (y != nullptr) f(r, c, unpack(v[it]), unpack(w[it]));
+        if (y != nullptr) f(r, c, unpack4(v[it]), unpack4(w[it]));
       }
     }
   }
