@@ -40,8 +40,9 @@ using chunk::kSubChunk;
 using chunk::kSubChunks;
 using Bf16 = __nv_bfloat16;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
+constexpr int kRowWarps = 4, kColWarps = kWarps / kRowWarps;  // the warp grid of a block product
 constexpr int kPairs = kSubChunks * (kSubChunks - 1) / 2;  // sub-chunk blocks below the diagonal
 __host__ __device__ constexpr int pair_index(int a, int b) { return a * (a - 1) / 2 + b; }  // b < a
 
@@ -112,14 +113,15 @@ __device__ __forceinline__ void warp_mma(float (&c)[MI][NI][4], const TA& A, con
   }
 }
 
-// An M x N fp32 product of the block: warps 4 (rows) x 2 (columns), each an (M / 4) x (N / 2) tile.
+// An M x N fp32 product of the block: warps kRowWarps (rows) x kColWarps (columns), each an
+// (M / kRowWarps) x (N / kColWarps) tile.
 template <int M, int N>
 struct Acc {
-  static constexpr int kWarpRows = M / 4, kWarpCols = N / 2;
+  static constexpr int kWarpRows = M / kRowWarps, kWarpCols = N / kColWarps;
   static constexpr int MI = kWarpRows / 16, NI = kWarpCols / 8;
   float c[MI][NI][4];
-  __device__ __forceinline__ static int m0() { return ((threadIdx.x >> 5) & 3) * kWarpRows; }
-  __device__ __forceinline__ static int n0() { return (threadIdx.x >> 7) * kWarpCols; }
+  __device__ __forceinline__ static int m0() { return ((threadIdx.x >> 5) % kRowWarps) * kWarpRows; }
+  __device__ __forceinline__ static int n0() { return ((threadIdx.x >> 5) / kRowWarps) * kWarpCols; }
   __device__ __forceinline__ void zero() {
     for_each([&](int mi, int ni, int e, int, int) { c[mi][ni][e] = 0.f; });
   }
@@ -138,6 +140,19 @@ struct Acc {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           f(mi, ni, e, m0() + 16 * mi + sm80::FragAcc::m(lane, e), n0() + 8 * ni + sm80::FragAcc::n(lane, e));
+  }
+  // f(mi, ni, h, row, col) for each pair of row neighbours this thread holds: elements 2h, 2h + 1
+  // at (row, col) and (row, col + 1).
+  template <class F>
+  __device__ __forceinline__ static void for_each_pair(F&& f) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NI; ++ni)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          f(mi, ni, h, m0() + 16 * mi + sm80::FragAcc::m(lane, 2 * h), n0() + 8 * ni + sm80::FragAcc::n(lane, 0));
   }
   // The product into a bf16 tile, each element through f(row, col, value) (elements e, e + 1 of a
   // tile are neighbours in a row).
@@ -200,6 +215,14 @@ struct Block {
   // Element offset of (token t, channel c) in the token tensors of this head.
   __device__ __forceinline__ int64_t at(int t, int c) const { return ((bos + t) * p.HV + hv) * kHeadDim + c; }
   __device__ __forceinline__ float load(const float* x, int t, int c) const { return t < len ? __ldg(x + at(t, c)) : 0.f; }
+  // Channels c, c + 1 (c even) of token t.
+  __device__ __forceinline__ float2 load2(const float* x, int t, int c) const {
+    return t < len ? __ldg(reinterpret_cast<const float2*>(x + at(t, c))) : make_float2(0.f, 0.f);
+  }
+  __device__ __forceinline__ void store2(float* x, int t, int c, float a, float b) const {
+    if (t < len) *reinterpret_cast<float2*>(x + at(t, c)) = make_float2(a, b);
+  }
+  __device__ __forceinline__ float2 G2(int t, int c) const { return *reinterpret_cast<const float2*>(gamma() + t * kHeadDim + c); }
   __device__ __forceinline__ float G(int t, int c) const { return gamma()[t * kHeadDim + c]; }
   __device__ __forceinline__ float G_end(int c) const { return gamma()[(kChunk - 1) * kHeadDim + c]; }
   // γ − h of token t: the log of its row-side pivot factor.
@@ -274,15 +297,16 @@ struct Block {
   }
 };
 
-// For Z = x yᵀ ⊙ e^{Γi−Γj} (j <= i, blocks as above) and its gradient dZ, this warp's 16 x 64 part
-// of the chunk (sub-chunk warp % 4, channels 64 (warp / 4) ...) in the ChunkAcc layout: adds to
+// For Z = x yᵀ ⊙ e^{Γi−Γj} (j <= i, blocks as above) and its gradient dZ, this warp's part of the
+// chunk in the ChunkAcc layout (the rows of sub-chunk warp % kRowWarps, channels from n0): adds to
 // `out` the x-side Σ_b f_ab (dZ_ab Y_b) (kSideX) or the y-side Σ_a f_ab (dZ_abᵀ X_a) of the
 // sub-chunk's rows, X = x e^{γ−h} and Y = y e^{h−γ} the operand tiles; the caller scales by
 // e^{γ−h} (x-side) or e^{h−γ} (y-side).
 template <bool kSideX>
 __device__ __forceinline__ void gram_grad(const Block& blk, float (&out)[1][ChunkAcc::NI][4], const SquareTile& dZ,
                                           const ChunkTile& X, const ChunkTile& Y) {
-  const int sub = (threadIdx.x >> 5) & 3, n0 = ChunkAcc::n0();
+  static_assert(kRowWarps == kSubChunks, "a ChunkAcc warp row is a sub-chunk");
+  const int sub = (threadIdx.x >> 5) % kRowWarps, n0 = ChunkAcc::n0();
   const int lane = threadIdx.x & 31;
 #pragma unroll 1
   for (int o = 0; o < kSubChunks; ++o) {
@@ -504,10 +528,13 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     dG.zero();
     // From the gradient d of x e^Γ (x = q̂ or k̂): dx += e^Γ d, and dΓ += x e^Γ d.
     auto add_through_decay = [&](const ChunkAcc& d, ChunkAcc& dx, const float* x_src) {
-      ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
-        const float x = d.c[mi][ni][e] * __expf(blk.G(t, c));
-        dx.c[mi][ni][e] += x;
-        dG.c[mi][ni][e] += blk.load(x_src, t, c) * x;
+      ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+        const float2 G = blk.G2(t, c), xs = blk.load2(x_src, t, c);
+        const float x0 = d.c[mi][ni][2 * h] * __expf(G.x), x1 = d.c[mi][ni][2 * h + 1] * __expf(G.y);
+        dx.c[mi][ni][2 * h] += x0;
+        dx.c[mi][ni][2 * h + 1] += x1;
+        dG.c[mi][ni][2 * h] += xs.x * x0;
+        dG.c[mi][ni][2 * h + 1] += xs.y * x1;
       });
     };
     blk.fill_state(St, p.states);
@@ -542,12 +569,16 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       dkd.zero();
       dkd.mma<false, false>(Ut, St, 0, kHeadDim);
       float end_part[ChunkAcc::NI][2] = {};
-      ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
-        const float kdv = blk.load(p.k, t, c) * __expf(blk.G_end(c) - blk.G(t, c));
-        const float x = dkd.c[mi][ni][e];
-        dk.c[mi][ni][e] += x * __expf(blk.G_end(c) - blk.G(t, c));
-        dG.c[mi][ni][e] -= kdv * x;
-        end_part[ni][e & 1] += kdv * x;
+      ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+        const float2 G = blk.G2(t, c), ks = blk.load2(p.k, t, c);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const float decay = __expf(blk.G_end(c + j) - (j ? G.y : G.x));
+          const float kdv = (j ? ks.y : ks.x) * decay, x = dkd.c[mi][ni][2 * h + j];
+          dk.c[mi][ni][2 * h + j] += x * decay;
+          dG.c[mi][ni][2 * h + j] -= kdv * x;
+          end_part[ni][j] += kdv * x;
+        }
       });
       const int lane = tid & 31;
 #pragma unroll
@@ -575,8 +606,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       ChunkAcc dv;  // Tᵀ dU
       dv.zero();
       dv.mma<true, true>(Tt, dUt, 0, kChunk);
-      ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
-        if (t < len) p.dv[blk.at(t, c)] = dv.c[mi][ni][e];
+      ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+        blk.store2(p.dv, t, c, dv.c[mi][ni][2 * h], dv.c[mi][ni][2 * h + 1]);
       });
     }
     __syncthreads();
@@ -660,15 +691,15 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     gram_side(std::false_type{}, Mt, Xq, dk);
     gram_side(std::true_type{}, dZA, Xk, dk);
     gram_side(std::false_type{}, dZA, Xk, dk);
-    ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) {
-      if (t < len) {
-        p.dq[blk.at(t, c)] = dq.c[mi][ni][e];
-        p.dk[blk.at(t, c)] = dk.c[mi][ni][e];
-      }
+    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+      blk.store2(p.dq, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
+      blk.store2(p.dk, t, c, dk.c[mi][ni][2 * h], dk.c[mi][ni][2 * h + 1]);
     });
     // dg: suffix sums of dΓ over the chunk, the chunk-end terms (kd, e^{Γ_C}) at its last token.
     float* dgamma = reinterpret_cast<float*>(smem + SmemLayout::slot(3));  // over dw and X1
-    ChunkAcc::for_each([&](int mi, int ni, int e, int t, int c) { dgamma[t * kHeadDim + c] = dG.c[mi][ni][e]; });
+    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+      *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
+    });
     __syncthreads();
     if (tid < kHeadDim) {
       float run = blk.end()[tid];
