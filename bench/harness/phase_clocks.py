@@ -1,35 +1,53 @@
-"""Copy csrc/ to OUT_DIR and insert clock marks into chunk_prepare.cuh for prepare_harness.cu
-(-DPHASE_CLOCKS): a mark before every line that starts with one of MARKS, and one at the kernel's end.
+"""Copy csrc/ to OUT_DIR and insert clock marks into one kernel for its harness (-DPHASE_CLOCKS): a
+mark before every line of the kernel that starts with one of the target's marks, and one at the
+kernel's end. Targets: prepare (chunk_prepare.cuh, prepare_harness.cu) and local_grad
+(chunk_local_grad.cuh's gradients pass, local_grad_harness.cu).
 
-    python bench/harness/phase_clocks.py csrc /tmp/pc/csrc
+    python bench/harness/phase_clocks.py csrc /tmp/pc/csrc [prepare|local_grad]
 """
 
 import shutil
 import sys
 
-# Lines before which a mark goes; thread 0 (warp 0: an off-diagonal block position of the A / M
-# products, then the inverse) takes the time, so other warps' work shows only where warp 0 waits for
-# it at a barrier.
-MARKS = ["  // ---- Phase", "  // This slice's offsets", "  // Per channel, once",
-         "  const int wide_mask = s.wide_mask;", "  // Stage", "  // Off-diagonal blocks", "  // T = L diag"]
 MACRO = ("#define FKDA_MARK { if (threadIdx.x == 0) { const long long now_ = clock64(); "
          "atomicAdd(&g_phase_cycles[fkda_phase++], (unsigned long long)(now_ - fkda_last)); fkda_last = now_; } }\n")
+
+# Thread 0 takes the time, so other warps' work shows only where warp 0 waits for it at a barrier.
+# Per target: the header, the line after which the clock starts, the kernel's first and the text
+# after its end, and the lines before which a mark goes (none of them inside a loop).
+TARGETS = {
+    # warp 0: an off-diagonal block position of the A / M products, then the inverse
+    "prepare": ("flashkda/prefill/chunk_prepare.cuh", "PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);\n",
+                "chunk_prepare_kernel(", "cudaError_t launch_prepare(",
+                ["  // ---- Phase", "  // This slice's offsets", "  // Per channel, once",
+                 "  const int wide_mask = s.wide_mask;", "  // Stage", "  // Off-diagonal blocks", "  // T = L diag"]),
+    # warp 0: Γ's channels 0-31, a diagonal block of the solve, then rows 0-15 of every product
+    "local_grad": ("flashkda/backward/chunk_local_grad.cuh", "  const SquareTile Lt = blk.tile<SquareTile>(SmemLayout::kL);\n",
+                   "chunk_local_grad_kernel(const ChunkBwdParams p)", "}  // namespace chunk_bwd",
+                   ["  // Gram operands", "  build_gram_operands();\n  __syncthreads();\n  // M", "  // M (j <= i)",
+                    "  // L = (I + Ab)", "  // k̂ e^Γ from", "    cute::cp_async_wait<0>();  // S and dO",
+                    "    // dS' (the next", "    SquareAcc dM;", "    blk.copy_state_async(St", "    const ChunkTile dwt",
+                    "    const SquareTile X1", "      SquareAcc y;", "      // G = −strict_tril", "    stage_qk();  // over",
+                    "    {  // x-sides", "    {  // the y-sides", "    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {\n      blk.store2(p.dq",
+                    "    // dg: suffix sums"]),
+}
 
 
 def main() -> None:
     src, dst = sys.argv[1], sys.argv[2]
+    header, anchor, kernel_start, after_kernel, marks = TARGETS[sys.argv[3] if len(sys.argv) > 3 else "prepare"]
     shutil.rmtree(dst, ignore_errors=True)
     shutil.copytree(src, dst)
-    path = f"{dst}/flashkda/prefill/chunk_prepare.cuh"
+    path = f"{dst}/{header}"
     text = open(path).read()
-    anchor = "PrepareSmem& s = *reinterpret_cast<PrepareSmem*>(smem_raw);\n"
     assert anchor in text
     text = text.replace(anchor, anchor + "  long long fkda_last = clock64(); int fkda_phase = 0;\n", 1)
-    kernel_at = text.index("chunk_prepare_kernel(")
-    launch_at = text.index("cudaError_t launch_prepare(")
-    end_at = text.rindex("template <", 0, launch_at)  # the launcher's template line ends the kernel body
+    kernel_at = text.index(kernel_start)
+    end_at = text.index(after_kernel)
+    if after_kernel.startswith("cudaError_t"):  # the launcher's template line ends the kernel body
+        end_at = text.rindex("template <", 0, end_at)
     body = text[kernel_at:end_at]
-    for m in MARKS:
+    for m in marks:
         pos, out = 0, ""
         while (i := body.find("\n" + m, pos)) >= 0:
             out += body[pos:i + 1] + "  FKDA_MARK\n"

@@ -57,7 +57,15 @@ struct Tile {
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
     *reinterpret_cast<__nv_bfloat162*>(p + r * kStride + c) = __floats2bfloat162_rn(x, y);
   }
+  // store2 as an asm volatile store: kept in program order after the ordered loads before it.
+  __device__ __forceinline__ void store2_ordered(int r, int c, float x, float y) const {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr(r, c)), "r"(*reinterpret_cast<const uint32_t*>(&v)));
+  }
   __device__ __forceinline__ float get(int r, int c) const { return __bfloat162float(p[r * kStride + c]); }
+  __device__ __forceinline__ float2 get2(int r, int c) const {  // c even
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p + r * kStride + c));
+  }
 };
 using ChunkTile = Tile<kChunk, kHeadDim>;   // [token][channel]
 using StateTile = Tile<kHeadDim, kHeadDim>;  // [key][value]
@@ -145,14 +153,9 @@ struct Acc {
   // at (row, col) and (row, col + 1).
   template <class F>
   __device__ __forceinline__ static void for_each_pair(F&& f) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int mi = 0; mi < MI; ++mi)
-#pragma unroll
-      for (int ni = 0; ni < NI; ++ni)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          f(mi, ni, h, m0() + 16 * mi + sm80::FragAcc::m(lane, 2 * h), n0() + 8 * ni + sm80::FragAcc::n(lane, 0));
+    for_each([&](int mi, int ni, int e, int row, int col) {
+      if (e % 2 == 0) f(mi, ni, e / 2, row, col);
+    });
   }
   // The product into a bf16 tile, each element through f(row, col, value) (elements e, e + 1 of a
   // tile are neighbours in a row).
@@ -167,6 +170,13 @@ using ChunkAcc = Acc<kChunk, kHeadDim>;
 using SquareAcc = Acc<kChunk, kChunk>;
 using StateAcc = Acc<kHeadDim, kHeadDim>;
 
+// fp32 [kChunk][kChunk] matrices (A, L) have rows of kF32Stride floats: the tf32 fragment loads of
+// the solve (eight rows, four columns) then fall in 32 banks.
+constexpr int kF32Stride = kChunk + 4;
+// Row stride (floats) of a warp's 16 x 16 scratch block in the solve: its B-fragment reads (rows t,
+// t + 4; columns g) fall in 32 banks.
+constexpr int kScratchStride = 24;
+
 // Shared memory (bytes). The eight chunk tiles are reused from phase to phase (see the kernel).
 struct SmemLayout {
   static constexpr int kGamma = 0;                                     // fp32 [kChunk][kHeadDim] Γ
@@ -175,8 +185,8 @@ struct SmemLayout {
   static constexpr int kBeta = kFactor + kPairs * kHeadDim * 4;        // fp32 [kChunk]
   static constexpr int kDbeta = kBeta + kChunk * 4;                    // fp32 [kChunk]
   static constexpr int kEnd = kDbeta + kChunk * 4;                     // fp32 [kHeadDim]: dΓ at the chunk's end
-  static constexpr int kA = kEnd + kHeadDim * 4;                       // fp32 [kChunk][kChunk] A
-  static constexpr int kM = kA + kChunk * kChunk * 4;                  // SquareTile M, later dM
+  static constexpr int kA = kEnd + kHeadDim * 4;                       // fp32 [kChunk][kF32Stride] A
+  static constexpr int kM = kA + kChunk * kF32Stride * 4;              // SquareTile M, later dM
   static constexpr int kT = kM + SquareTile::kBytes;                   // SquareTile T
   static constexpr int kL = kT + SquareTile::kBytes;                   // SquareTile L
   static constexpr int kSlots = kL + SquareTile::kBytes;               // kNumSlots chunk tiles
@@ -185,7 +195,10 @@ struct SmemLayout {
   __host__ __device__ static constexpr int slot(int i) { return kSlots + i * ChunkTile::kBytes; }
 };
 static_assert(StateTile::kBytes <= 2 * ChunkTile::kBytes, "a state tile takes two slots");
-static_assert(kChunk * kChunk * 4 <= ChunkTile::kBytes, "the fp32 L takes one slot");
+static_assert(kChunk * kF32Stride * 4 <= ChunkTile::kBytes, "the fp32 L takes one slot");
+static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= ChunkTile::kBytes, "the solve's scratch takes one slot");
+static_assert(kSubChunks * kHeadDim * 4 <= kChunk * kF32Stride * 4, "the sub-chunk sums fit over A");
+static_assert(kSubChunks * kHeadDim == kThreads, "a thread per (sub-chunk, channel)");
 static_assert(kChunk * kHeadDim * 4 <= 2 * ChunkTile::kBytes, "the fp32 dΓ takes two slots");
 // More than an A100 block may have (163 KB): the kernel runs on sm_90 (227 KB), others take the
 // PyTorch backward (flashkda/autograd.py asks chunk_local_grad_smem_bytes()).
@@ -196,6 +209,8 @@ struct Block {
   uint8_t* smem;
   int64_t chunk, bos;
   int len, hv;
+  int64_t head0;    // element offset of (token 0, channel 0) of this chunk and head in the token tensors
+  int token_pitch;  // elements from one token to the next (HV · kHeadDim)
 
   __device__ __forceinline__ float* gamma() const { return reinterpret_cast<float*>(smem + SmemLayout::kGamma); }
   __device__ __forceinline__ float* pivot() const { return reinterpret_cast<float*>(smem + SmemLayout::kPivot); }
@@ -206,6 +221,7 @@ struct Block {
   __device__ __forceinline__ float* dbeta() const { return reinterpret_cast<float*>(smem + SmemLayout::kDbeta); }
   __device__ __forceinline__ float* end() const { return reinterpret_cast<float*>(smem + SmemLayout::kEnd); }
   __device__ __forceinline__ float* A() const { return reinterpret_cast<float*>(smem + SmemLayout::kA); }
+  __device__ __forceinline__ float& A(int i, int j) const { return A()[i * kF32Stride + j]; }
   template <class T = ChunkTile>
   __device__ __forceinline__ T tile(int offset) const {
     return T{reinterpret_cast<Bf16*>(smem + offset)};
@@ -213,7 +229,7 @@ struct Block {
   __device__ __forceinline__ ChunkTile slot(int i) const { return tile(SmemLayout::slot(i)); }
 
   // Element offset of (token t, channel c) in the token tensors of this head.
-  __device__ __forceinline__ int64_t at(int t, int c) const { return ((bos + t) * p.HV + hv) * kHeadDim + c; }
+  __device__ __forceinline__ int64_t at(int t, int c) const { return head0 + (t * token_pitch + c); }
   __device__ __forceinline__ float load(const float* x, int t, int c) const { return t < len ? __ldg(x + at(t, c)) : 0.f; }
   // Channels c, c + 1 (c even) of token t.
   __device__ __forceinline__ float2 load2(const float* x, int t, int c) const {
@@ -225,18 +241,31 @@ struct Block {
   __device__ __forceinline__ float2 G2(int t, int c) const { return *reinterpret_cast<const float2*>(gamma() + t * kHeadDim + c); }
   __device__ __forceinline__ float G(int t, int c) const { return gamma()[t * kHeadDim + c]; }
   __device__ __forceinline__ float G_end(int c) const { return gamma()[(kChunk - 1) * kHeadDim + c]; }
-  // γ − h of token t: the log of its row-side pivot factor.
-  __device__ __forceinline__ float pivot_log(int t, int c) const {
+  // γ − h of token t, channels c, c + 1 (c even): the log of its row-side pivot factor.
+  __device__ __forceinline__ float2 pivot_log2(int t, int c) const {
     const int a = t / kSubChunk;
-    return G(t, c) - (a > 0 ? G(a * kSubChunk - 1, c) : 0.f) - pivot()[a * kHeadDim + c];
+    const float2 g = G2(t, c), h = *reinterpret_cast<const float2*>(pivot() + a * kHeadDim + c);
+    const float2 before = a > 0 ? G2(a * kSubChunk - 1, c) : make_float2(0.f, 0.f);
+    return make_float2(g.x - before.x - h.x, g.y - before.y - h.y);
   }
-  __device__ __forceinline__ float pair_factor(int a, int b, int c) const { return a == b ? 1.f : factor(a, b)[c]; }
+  // f_ab of channels c, c + 1 (c even); 1 on the diagonal.
+  __device__ __forceinline__ float2 pair_factor2(int a, int b, int c) const {
+    return a == b ? make_float2(1.f, 1.f) : *reinterpret_cast<const float2*>(factor(a, b) + c);
+  }
 
   // Four bf16 (one 8-byte word) as fp32.
   __device__ __forceinline__ static float4 unpack4(const uint2& u) {
     const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
     const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
     return make_float4(lo.x, lo.y, hi.x, hi.y);
+  }
+  // A 16-byte read-only global load as asm volatile: such loads and the ordered stores keep their
+  // program order, so the loads of a fill stay in flight together (with 128 registers a thread,
+  // ptxas otherwise moves each load next to its use, one memory latency per load).
+  __device__ __forceinline__ static float4 load4_ordered(const float* x) {
+    float4 v;
+    asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(x));
+    return v;
   }
   // Four consecutive elements of a token tensor (fp32, or bf16 as fp32).
   __device__ __forceinline__ static float4 load4(const float* x) { return __ldg(reinterpret_cast<const float4*>(x)); }
@@ -264,6 +293,39 @@ struct Block {
         tile.store2(t, c + 2, f(t, c + 2, v[it].z), f(t, c + 3, v[it].w));
       }
     }
+  }
+  // Asynchronous 16-byte copies (cp.async) of this chunk's token rows of x into shared memory:
+  // token t's kHeadDim elements to dst + t · dst_pitch bytes, zeros for tokens past the chunk's end.
+  // The copies hold no registers, so every one is in flight at once; cute::cp_async_wait and a
+  // barrier complete them.
+  template <class Elem>
+  __device__ __forceinline__ void copy_rows_async(uint8_t* dst, int dst_pitch, const Elem* x) const {
+    constexpr int kPieces = kHeadDim * int(sizeof(Elem)) / 16, kPer = 16 / int(sizeof(Elem));  // per row
+#pragma unroll
+    for (int i = threadIdx.x; i < kChunk * kPieces; i += kThreads) {
+      const int t = i / kPieces, piece = i % kPieces;
+      const Elem* from = x + at(t < len ? t : 0, piece * kPer);
+      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(from), *reinterpret_cast<cute::uint128_t*>(dst + t * dst_pitch + piece * 16),
+          t < len);
+    }
+    cute::cp_async_fence();
+  }
+  __device__ __forceinline__ void copy_rows_async(const ChunkTile& tile, const Bf16* x) const {
+    copy_rows_async(reinterpret_cast<uint8_t*>(tile.p), ChunkTile::kStride * 2, x);
+  }
+  // The same for the [kHeadDim][kHeadDim] bf16 matrix of this (chunk, head) in x, into a state tile.
+  __device__ __forceinline__ void copy_state_async(const StateTile& tile, const Bf16* x) const {
+    constexpr int kPieces = kHeadDim * 2 / 16;
+    const Bf16* base = x + (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim);
+#pragma unroll
+    for (int i = threadIdx.x; i < kHeadDim * kPieces; i += kThreads) {
+      const int r = i / kPieces, piece = i % kPieces;
+      cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
+          *reinterpret_cast<const cute::uint128_t*>(base + r * kHeadDim + piece * 8),
+          *reinterpret_cast<cute::uint128_t*>(tile.p + r * StateTile::kStride + piece * 8), true);
+    }
+    cute::cp_async_fence();
   }
   // The [kHeadDim][kHeadDim] bf16 matrix of this (chunk, head) in x, into a bf16 state tile; with
   // y, f(row, col, x4, y4) also sees each four values of x with those of y, in fp32 (loads first,
@@ -317,12 +379,12 @@ __device__ __forceinline__ void gram_grad(const Block& blk, float (&out)[1][Chun
     else  // dZ[o][sub]ᵀ · X[o]
       warp_mma<true, true>(part, dZ, X, kSubChunk * sub, n0, kSubChunk * o, kSubChunk * (o + 1));
 #pragma unroll
-    for (int ni = 0; ni < ChunkAcc::NI; ++ni)
+    for (int ni = 0; ni < ChunkAcc::NI; ++ni) {
+      const int col = n0 + 8 * ni + sm80::FragAcc::n(lane, 0);  // elements e: columns col + e % 2
+      const float2 f = kSideX ? blk.pair_factor2(sub, o, col) : blk.pair_factor2(o, sub, col);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n0 + 8 * ni + sm80::FragAcc::n(lane, e);
-        out[0][ni][e] += part[0][ni][e] * (kSideX ? blk.pair_factor(sub, o, col) : blk.pair_factor(o, sub, col));
-      }
+      for (int e = 0; e < 4; ++e) out[0][ni][e] += part[0][ni][e] * (e % 2 ? f.y : f.x);
+    }
   }
 }
 
@@ -330,9 +392,10 @@ template <Pass kPass>
 __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const ChunkBwdParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x;
-  Block blk{p, smem, int64_t(blockIdx.x), 0, 0, int(blockIdx.y)};
+  Block blk{p, smem, int64_t(blockIdx.x), 0, 0, int(blockIdx.y), 0, p.HV * kHeadDim};
   blk.bos = p.chunk_bos[blk.chunk];
   blk.len = p.chunk_len[blk.chunk];
+  blk.head0 = (blk.bos * p.HV + blk.hv) * kHeadDim;
   if (kPass == Pass::kGradients && blk.len <= 0) return;  // an empty chunk has no gradients
   const int len = blk.len;
   float* gamma = blk.gamma();
@@ -340,52 +403,81 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   const SquareTile Mt = blk.tile<SquareTile>(SmemLayout::kM);
   const SquareTile Tt = blk.tile<SquareTile>(SmemLayout::kT);
   const SquareTile Lt = blk.tile<SquareTile>(SmemLayout::kL);
+  // q̂ and k̂, fp32, into the free slots 3-6, in flight while Γ is summed.
+  auto stage_qk = [&] {
+    blk.copy_rows_async(smem + SmemLayout::slot(3), kHeadDim * 4, p.q);
+    blk.copy_rows_async(smem + SmemLayout::slot(5), kHeadDim * 4, p.k);
+  };
+  static_assert(kChunk * kHeadDim * 4 <= 2 * ChunkTile::kBytes, "a staged fp32 chunk takes two slots");
+  stage_qk();
 
-  // Γ (one thread per channel), β, and zeros for A, M and the reductions.
-  if (tid < kHeadDim) {
-    float x[kChunk];  // loads first: their latency, not the sums, is the cost
+  // Γ, the pivots h_a and the factors f_ab, one thread per (sub-chunk a, channel c): the sub-chunk's
+  // running sums in registers, its total through shared memory (over A) to the later sub-chunks.
+  // Also β, and zeros for M (its blocks above the diagonal are read) and the reductions.
+  const int own_c = tid % kHeadDim, own_a = tid / kHeadDim;  // the (sub-chunk, channel) of this thread
+  {
+    float* total = A;  // [kSubChunks][kHeadDim], until the M / A products
+    float run[kSubChunk];
 #pragma unroll
-    for (int t = 0; t < kChunk; ++t) x[t] = blk.load(p.g, t, tid);
-    float run = 0.f;
+    for (int t = 0; t < kSubChunk; ++t) run[t] = blk.load(p.g, own_a * kSubChunk + t, own_c);
 #pragma unroll
-    for (int t = 0; t < kChunk; ++t) {
-      run += x[t];
-      gamma[t * kHeadDim + tid] = run;
+    for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
+    total[own_a * kHeadDim + own_c] = run[kSubChunk - 1];
+    if (tid < kChunk) {
+      blk.beta()[tid] = tid < len ? __ldg(p.beta + (blk.bos + tid) * p.HV + blk.hv) : 0.f;
+      blk.dbeta()[tid] = 0.f;
     }
-  } else if (tid < kHeadDim + kChunk) {
-    const int t = tid - kHeadDim;
-    blk.beta()[t] = t < len ? __ldg(p.beta + (blk.bos + t) * p.HV + blk.hv) : 0.f;
-    blk.dbeta()[t] = 0.f;
-  }
-  for (int i = tid; i < kChunk * kChunk; i += kThreads) {
-    A[i] = 0.f;
-    Mt.p[(i / kChunk) * SquareTile::kStride + i % kChunk] = __float2bfloat16(0.f);
-  }
-  if (tid < kHeadDim) blk.end()[tid] = 0.f;
-  __syncthreads();
-  // Pivots h_a and the factors f_ab of the blocks below the diagonal.
-  if (tid < kHeadDim) {
-    float before[kSubChunks], h[kSubChunks];
+    if (tid < kHeadDim) blk.end()[tid] = 0.f;
+    for (int i = tid; i < SquareTile::kBytes / 16; i += kThreads) reinterpret_cast<uint4*>(Mt.p)[i] = make_uint4(0, 0, 0, 0);
+    __syncthreads();
+    float before[kSubChunks], h[kSubChunks];  // Γ before each sub-chunk, half its total
+    before[0] = 0.f;
 #pragma unroll
     for (int a = 0; a < kSubChunks; ++a) {
-      before[a] = a > 0 ? gamma[(a * kSubChunk - 1) * kHeadDim + tid] : 0.f;
-      h[a] = 0.5f * (gamma[(a * kSubChunk + kSubChunk - 1) * kHeadDim + tid] - before[a]);
-      blk.pivot()[a * kHeadDim + tid] = h[a];
+      const float x = total[a * kHeadDim + own_c];
+      h[a] = 0.5f * x;
+      if (a + 1 < kSubChunks) before[a + 1] = before[a] + x;
     }
 #pragma unroll
-    for (int a = 1; a < kSubChunks; ++a)
+    for (int a = 0; a < kSubChunks; ++a) {
+      if (a != own_a) continue;
 #pragma unroll
-      for (int b = 0; b < a; ++b) blk.factor(a, b)[tid] = __expf(before[a] - before[b] + h[a] - h[b]);
+      for (int t = 0; t < kSubChunk; ++t) gamma[(a * kSubChunk + t) * kHeadDim + own_c] = before[a] + run[t];
+      blk.pivot()[a * kHeadDim + own_c] = h[a];
+#pragma unroll
+      for (int b = 0; b < a; ++b) blk.factor(a, b)[own_c] = __expf(before[a] - before[b] + h[a] - h[b]);
+    }
   }
   __syncthreads();
 
-  // Gram operands: q̂ e^{γ−h}, k̂ e^{γ−h} (rows), k̂ e^{h−γ} (columns).
+  // Gram operands: q̂ e^{γ−h}, k̂ e^{γ−h} (rows), k̂ e^{h−γ} (columns), from q̂ and k̂ staged in
+  // shared memory (fp32, dense rows: stage_qk).
   const ChunkTile Xq = blk.slot(0), Xk = blk.slot(1), Yk = blk.slot(2);
+  const float* q_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(3));  // slots 3-4
+  const float* k_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(5));  // slots 5-6
   auto build_gram_operands = [&] {
-    blk.fill(Xq, p.q, [&](int t, int c, float x) { return x * __expf(blk.pivot_log(t, c)); });
-    blk.fill(Xk, p.k, [&](int t, int c, float x) { return x * __expf(blk.pivot_log(t, c)); });
-    blk.fill(Yk, p.k, [&](int t, int c, float x) { return x * __expf(-blk.pivot_log(t, c)); });
+    constexpr int kPerRow = kHeadDim / 4;
+#pragma unroll 2
+    for (int i = tid; i < kChunk * kPerRow; i += kThreads) {
+      const int t = i / kPerRow, c = (i % kPerRow) * 4;
+      const float4 q4 = *reinterpret_cast<const float4*>(q_staged + t * kHeadDim + c);
+      const float4 k4 = *reinterpret_cast<const float4*>(k_staged + t * kHeadDim + c);
+      const float2 pl01 = blk.pivot_log2(t, c), pl23 = blk.pivot_log2(t, c + 2);
+      const float pl[4] = {pl01.x, pl01.y, pl23.x, pl23.y};
+      const float qx[4] = {q4.x, q4.y, q4.z, q4.w}, kx[4] = {k4.x, k4.y, k4.z, k4.w};
+      float up[4], down[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) up[j] = __expf(pl[j]), down[j] = __expf(-pl[j]);
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        Xq.store2(t, c + j, qx[j] * up[j], qx[j + 1] * up[j + 1]);
+        Xk.store2(t, c + j, kx[j] * up[j], kx[j + 1] * up[j + 1]);
+        Yk.store2(t, c + j, kx[j] * down[j], kx[j + 1] * down[j + 1]);
+      }
+    }
   };
+  cute::cp_async_wait<0>();  // stage_qk, issued at the start
+  __syncthreads();
   build_gram_operands();
   __syncthreads();
   // M (j <= i) and A (j < i), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks.
@@ -408,7 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
           const bool keep = is_A ? j < i : j <= i;
           const float x = keep ? acc[0][ni][e] : 0.f;
           if (is_A)
-            A[i * kChunk + j] = x;
+            blk.A(i, j) = x;
           else
             Mt.p[i * SquareTile::kStride + j] = __float2bfloat16(x);
         }
@@ -416,59 +508,73 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   }
   __syncthreads();
   // L = (I + Ab)⁻¹, Ab = diag(β) A strictly lower, by 16 x 16 blocks (fp32): each diagonal block
-  // L_aa = (I + Ab_aa)⁻¹ by one warp, row by row; then the blocks below, one diagonal of blocks at
-  // a time, L_ab = −L_aa Σ_{b<=c<a} Ab_ac L_cb (from (I + Ab) L = I, block row a, column b).
+  // L_aa = (I + Ab_aa)⁻¹ by forward substitution, one column per lane of warp a, in registers; then
+  // the blocks below, one warp per block column b, for a = b + 1 .. in order (from (I + Ab) L = I):
+  // L_ab = −L_aa diag(β_a) Σ_{b<=c<a} A_ac L_cb, as 16 x 16 x 16 products on the tf32 tensor cores
+  // (L reaches the later products as bf16, so tf32 operands cost them nothing).
+  const ChunkTile kg = blk.slot(0), vt = blk.slot(1), wt = blk.slot(2);
+  blk.copy_rows_async(vt, p.v);  // over Xk, in flight during the solve
   {
-    float* L = reinterpret_cast<float*>(smem + SmemLayout::slot(3));
-    float* X = reinterpret_cast<float*>(smem + SmemLayout::slot(4));  // [kSubChunks - 1][16][16]
+    const sm80::PlainF32 L{reinterpret_cast<float*>(smem + SmemLayout::slot(3)), kF32Stride};
+    const sm80::PlainF32 Af{A, kF32Stride};
+    auto block = [](const sm80::PlainF32& m, int a, int b) {
+      return sm80::PlainF32{m.p + a * kSubChunk * m.stride + b * kSubChunk, m.stride};
+    };
     const float* beta = blk.beta();
-    for (int i = tid; i < kChunk * kChunk; i += kThreads) L[i] = 0.f;
-    __syncthreads();
-    {
-      const int warp = tid >> 5, lane = tid & 31;
-      if (warp < kSubChunks) {  // warp a: block a; lane: column lane % 16, every other term of its sums
-        const int o = warp * kSubChunk, col = lane & 15, part = lane >> 4;
-        for (int i = 0; i < kSubChunk; ++i) {
-          float s = 0.f;
-          for (int j = col + part; j < i; j += 2) s += A[(o + i) * kChunk + o + j] * L[(o + j) * kChunk + o + col];
-          s += __shfl_xor_sync(0xffffffffu, s, 16);
-          if (part == 0 && col <= i) L[(o + i) * kChunk + o + col] = i == col ? 1.f : -beta[o + i] * s;
-          __syncwarp();
-        }
+    const int warp = tid >> 5, lane = tid & 31;
+    if (warp < kSubChunks && lane < kSubChunk) {  // column `lane` of L_aa, a = warp
+      const int o = warp * kSubChunk, j = lane;
+      float x[kSubChunk];  // zero above the diagonal (i < j) by the recurrence itself
+#pragma unroll
+      for (int i = 0; i < kSubChunk; ++i) {
+        float sum = 0.f;
+#pragma unroll
+        for (int l = 0; l < i; ++l) sum += Af.at(o + i, o + l) * x[l];
+        x[i] = (i == j ? 1.f : 0.f) - beta[o + i] * sum;
+        L.at(o + i, o + j) = x[i];
       }
     }
     __syncthreads();
-    constexpr int kBlock = kSubChunk * kSubChunk;
-    for (int d = 1; d < kSubChunks; ++d) {
-      const int blocks = kSubChunks - d;  // (a, a - d) for a = d .. kSubChunks - 1
-      for (int e = tid; e < blocks * kBlock; e += kThreads) {
-        const int a = d + e / kBlock, b = a - d, i = e % kBlock / kSubChunk, j = e % kSubChunk;
-        float s = 0.f;
-        for (int m = b * kSubChunk; m < a * kSubChunk; ++m) s += A[(a * kSubChunk + i) * kChunk + m] * L[m * kChunk + b * kSubChunk + j];
-        X[e] = beta[a * kSubChunk + i] * s;
+    if (warp < kSubChunks - 1) {
+      const int b = warp;
+      const sm80::PlainF32 scratch{reinterpret_cast<float*>(smem + SmemLayout::slot(4)) + warp * kSubChunk * kScratchStride,
+                                   kScratchStride};
+      for (int a = b + 1; a < kSubChunks; ++a) {
+        float acc[2][4] = {};
+        for (int c = b; c < a; ++c) sm80::block_product_tf32<false>(acc, block(Af, a, c), block(L, c, b));
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] *= beta[a * kSubChunk + sm80::FragAcc::m(lane, e)];
+        sm80::store_block(scratch, acc, 1.f);
+        __syncwarp();
+        float out[2][4] = {};
+        sm80::block_product_tf32<false>(out, block(L, a, a), scratch);
+        sm80::store_block(block(L, a, b), out, -1.f);
+        __syncwarp();  // L_ab is read by the next step; the scratch is rewritten
       }
-      __syncthreads();
-      for (int e = tid; e < blocks * kBlock; e += kThreads) {
-        const int a = d + e / kBlock, b = a - d, i = e % kBlock / kSubChunk, j = e % kSubChunk;
-        const float* Xab = X + (e / kBlock) * kBlock;
-        float s = 0.f;
-        for (int m = 0; m <= i; ++m) s += L[(a * kSubChunk + i) * kChunk + a * kSubChunk + m] * Xab[m * kSubChunk + j];
-        L[(a * kSubChunk + i) * kChunk + b * kSubChunk + j] = -s;
-      }
-      __syncthreads();
     }
-    for (int i = tid; i < kChunk * kChunk / 2; i += kThreads) {
+    __syncthreads();
+    for (int i = tid; i < kChunk * kChunk / 2; i += kThreads) {  // zero above the diagonal blocks
       const int r = i / (kChunk / 2), c = (i % (kChunk / 2)) * 2;
-      const float l0 = L[r * kChunk + c], l1 = L[r * kChunk + c + 1];
+      const bool below = c / kSubChunk <= r / kSubChunk;
+      const float l0 = below ? L.at(r, c) : 0.f, l1 = below ? L.at(r, c + 1) : 0.f;
       Lt.store2(r, c, l0, l1);
-      Tt.store2(r, c, l0 * blk.beta()[c], l1 * blk.beta()[c + 1]);
+      Tt.store2(r, c, l0 * beta[c], l1 * beta[c + 1]);
     }
   }
-  // k̂ e^Γ and v (over the Gram operands: the solve above ended with a barrier).
-  const ChunkTile kg = blk.slot(0), vt = blk.slot(1), wt = blk.slot(2);
-  blk.fill(kg, p.k, [&](int t, int c, float x) { return x * __expf(blk.G(t, c)); });
-  blk.fill(vt, p.v, [](int, int, float x) { return x; });
+  // k̂ e^Γ from the k̂ still staged (over Xq: the solve above ended with a barrier), and v.
+  for (int i = tid; i < kChunk * kHeadDim / 2; i += kThreads) {
+    const int t = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
+    const float2 k2 = *reinterpret_cast<const float2*>(k_staged + t * kHeadDim + c), g2 = blk.G2(t, c);
+    kg.store2(t, c, k2.x * __expf(g2.x), k2.y * __expf(g2.y));
+  }
+  cute::cp_async_wait<0>();
   __syncthreads();
+  if constexpr (kPass == Pass::kGradients) {  // S and dO (over the staged k̂), in flight during T v and T kg
+    blk.copy_state_async(blk.tile<StateTile>(SmemLayout::slot(4)), p.states);
+    blk.copy_rows_async(blk.slot(6), p.dO);
+  }
   ChunkAcc u;  // T v, then U = T v − w S
   u.zero();
   u.mma<false, true>(Tt, vt, 0, kChunk);
@@ -537,8 +643,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
         dG.c[mi][ni][2 * h + 1] += xs.y * x1;
       });
     };
-    blk.fill_state(St, p.states);
-    blk.fill(dOt, p.dO, [](int, int, float x) { return x; });
+    cute::cp_async_wait<0>();  // S and dO
     __syncthreads();
     u.mma<false, true>(wt, St, 0, kHeadDim, true);  // U = T v − w S
     u.store(Ut, [](int, int, float x) { return x; });
@@ -594,8 +699,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       dM.mma<false, false>(dOt, Ut, 0, kHeadDim);
     }
     __syncthreads();
+    blk.copy_state_async(St, p.states);
     dM.store(Mt, [](int i, int j, float x) { return j <= i ? x : 0.f; });  // dM over M
-    blk.fill_state(St, p.states);
+    cute::cp_async_wait<0>();
     __syncthreads();
     const ChunkTile dwt = blk.slot(3);  // over U
     {
@@ -613,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     __syncthreads();
     const SquareTile X1 = blk.tile<SquareTile>(SmemLayout::slot(4));  // over S
     const SquareTile Y1 = blk.tile<SquareTile>(SmemLayout::slot(5));
-    const SquareTile dZA = blk.tile<SquareTile>(SmemLayout::slot(6));  // over dO
+    const SquareTile dZA = blk.tile<SquareTile>(SmemLayout::slot(7));  // over dU
     {
       SquareAcc dT;  // dU vᵀ + dw kgᵀ; T = L diag(β): dβ_j += Σ_i dT_ij L_ij, and dL = dT diag(β)
       dT.zero();
@@ -655,7 +761,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       float row_part[SquareAcc::MI][2] = {};
       SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
         if (j >= i) Gd.c[mi][ni][e] = 0.f;
-        row_part[mi][e >> 1] += Gd.c[mi][ni][e] * A[i * kChunk + j];
+        if (j < i) row_part[mi][e >> 1] += Gd.c[mi][ni][e] * blk.A(i, j);  // A holds only j < i
       });
       const int lane = tid & 31;
 #pragma unroll
@@ -669,6 +775,10 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
         }
       Gd.store(dZA, [&](int i, int, float x) { return x * blk.beta()[i]; });
     }
+    __syncthreads();
+    stage_qk();  // over dw, X1, Y1 and dO
+    cute::cp_async_wait<0>();
+    __syncthreads();
     build_gram_operands();  // over k̂ e^Γ, v and kd
     __syncthreads();
     // The Gram matrices' gradients: M (x = q̂, y = k̂, dM) and A (x = y = k̂, dZA), each side apart:
@@ -677,20 +787,36 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     // themselves: each pair (i, j) then adds and takes off the same product, so the pairs cancel in
     // dg's suffix sums as in exact arithmetic (with x dx, the two roundings of a pair differ, and
     // the residues of all pairs summed into dg: measured 2.2x FLA's dg error, 8x its ddt_bias).
-    auto gram_side = [&](auto side_x, const SquareTile& dZ, const ChunkTile& X, ChunkAcc& dx) {
-      constexpr bool kX = decltype(side_x)::value;
-      float part[1][ChunkAcc::NI][4] = {};
-      gram_grad<kX>(blk, part, dZ, X, Yk);
-      ChunkAcc::for_each([&](int, int ni, int e, int t, int c) {
-        const float pl = blk.pivot_log(t, c), acc = part[0][ni][e];
-        dx.c[0][ni][e] += acc * __expf(kX ? pl : -pl);
-        dG.c[0][ni][e] += kX ? X.get(t, c) * acc : -Yk.get(t, c) * acc;
+    {  // x-sides: dq from M, dk from A (one pivot factor e^{γ−h} per element for both)
+      float xM[1][ChunkAcc::NI][4] = {}, xA[1][ChunkAcc::NI][4] = {};
+      gram_grad<true>(blk, xM, Mt, Xq, Yk);
+      gram_grad<true>(blk, xA, dZA, Xk, Yk);
+      ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
+        const float2 pl = blk.pivot_log2(t, c), xq = Xq.get2(t, c), xk = Xk.get2(t, c);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = 2 * h + j;
+          const float up = __expf(j ? pl.y : pl.x);
+          dq.c[0][ni][e] += xM[0][ni][e] * up;
+          dk.c[0][ni][e] += xA[0][ni][e] * up;
+          dG.c[0][ni][e] += (j ? xq.y : xq.x) * xM[0][ni][e] + (j ? xk.y : xk.x) * xA[0][ni][e];
+        }
       });
-    };
-    gram_side(std::true_type{}, Mt, Xq, dq);
-    gram_side(std::false_type{}, Mt, Xq, dk);
-    gram_side(std::true_type{}, dZA, Xk, dk);
-    gram_side(std::false_type{}, dZA, Xk, dk);
+    }
+    {  // the y-sides of M and A, both of k̂, summed before their factor e^{h−γ}
+      float y[1][ChunkAcc::NI][4] = {};
+      gram_grad<false>(blk, y, Mt, Xq, Yk);
+      gram_grad<false>(blk, y, dZA, Xk, Yk);
+      ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
+        const float2 pl = blk.pivot_log2(t, c), yk = Yk.get2(t, c);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int e = 2 * h + j;
+          dk.c[0][ni][e] += y[0][ni][e] * __expf(-(j ? pl.y : pl.x));
+          dG.c[0][ni][e] -= (j ? yk.y : yk.x) * y[0][ni][e];
+        }
+      });
+    }
     ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
       blk.store2(p.dq, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
       blk.store2(p.dk, t, c, dk.c[mi][ni][2 * h], dk.c[mi][ni][2 * h + 1]);

@@ -263,5 +263,56 @@ static_assert(matches_swizzle<SwizzledTile<4>>(16, 4, swizzled_tile_layout<4>(16
 static_assert(matches_swizzle<SwizzledTile<8>>(16, 8, swizzled_tile_layout<8>(16)), "128-byte rows");
 static_assert(matches_swizzle<SwizzledTile<16>>(16, 16, swizzled_tile_layout<16>(16)), "256-byte rows");
 
+// A plain row-major fp32 matrix view in shared memory (at(r, c), row stride in floats).
+struct PlainF32 {
+  float* p;
+  int stride;
+  __device__ __forceinline__ float& at(int r, int c) const { return p[r * stride + c]; }
+};
+
+// acc (two 16x8 C fragments, columns 0-7 and 8-15) += X · Y for 16x16 fp32 blocks in shared
+// memory (views with at(r, c)), tf32 operands (kSplit: 3xTF32, fp32 accuracy). The operands are
+// gathered in Frag1688Tf32's layout, written out: the same offsets through its functions compile
+// to other SASS (chunk_prepare's register allocation is sensitive to the form).
+template <bool kSplit, class XView, class YView>
+__device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const XView& X, const YView& Y) {
+  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < 2; ++ks) {
+    const int k0 = 8 * ks;
+    const float xa[4] = {X.at(g8, k0 + t4), X.at(g8 + 8, k0 + t4), X.at(g8, k0 + t4 + 4), X.at(g8 + 8, k0 + t4 + 4)};
+    uint32_t ahi[4], alo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if constexpr (kSplit) split_tf32(xa[r], ahi[r], alo[r]);
+      else ahi[r] = to_tf32_fast(xa[r]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const float y0 = Y.at(k0 + t4, 8 * nt + g8), y1 = Y.at(k0 + t4 + 4, 8 * nt + g8);
+      if constexpr (kSplit) {
+        uint32_t bhi0, blo0, bhi1, blo1;
+        split_tf32(y0, bhi0, blo0);
+        split_tf32(y1, bhi1, blo1);
+        mma_1688_tf32(acc[nt], alo, bhi0, bhi1);
+        mma_1688_tf32(acc[nt], ahi, blo0, blo1);
+        mma_1688_tf32(acc[nt], ahi, bhi0, bhi1);
+      } else {
+        mma_1688_tf32(acc[nt], ahi, to_tf32_fast(y0), to_tf32_fast(y1));
+      }
+    }
+  }
+}
+
+// A 16x16 block of C fragments (as block_product_tf32 leaves it), times sign, to shared memory.
+template <class View>
+__device__ __forceinline__ void store_block(const View& dst, const float (&acc)[2][4], float sign) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst.at(FragAcc::m(lane, e), 8 * nt + FragAcc::n(lane, e)) = sign * acc[nt][e];
+}
+
 }  // namespace sm80
 }  // namespace flashkda

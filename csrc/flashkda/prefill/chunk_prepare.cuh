@@ -106,12 +106,6 @@ struct SqF32 {
   int r0, c0;
   __device__ __forceinline__ float& at(int r, int c) const { return m[sq_f32_index(r0 + r, c0 + c)]; }
 };
-// A plain row-major fp32 block (the off-diagonal inverse's per-warp scratch).
-struct PlainF32 {
-  float* p;
-  int stride;
-  __device__ __forceinline__ float& at(int r, int c) const { return p[r * stride + c]; }
-};
 
 // The sub-chunk tables, which the element loop reads eight channels per thread (thread cg: channels
 // 8 cg .. 8 cg + 7), hold in each row every thread's first four channels, contiguous over the 16
@@ -260,50 +254,6 @@ static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= int(sizeof(Pr
 // rounded to the 16-bit input type for the record right after, so a 3xTF32 split (fp32 accuracy,
 // three MMAs per product) bought no accuracy: the products sit on the inverse's serial chain.
 constexpr bool kInverseSplitTf32 = false;
-
-// acc (two 16x8 C fragments, columns 0-7 and 8-15) += X · Y for 16x16 fp32 blocks in shared
-// memory (views with at(r, c)), tf32 operands (kInverseSplitTf32: 3xTF32, fp32 accuracy). The
-// operands are gathered in sm80::Frag1688Tf32's layout, written out: the same offsets through its
-// functions compile to other SASS (this kernel's register allocation is sensitive to the form).
-template <class XView, class YView>
-__device__ __forceinline__ void block_product_tf32(float (&acc)[2][4], const XView& X, const YView& Y) {
-  const int lane = threadIdx.x & 31, g8 = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int ks = 0; ks < 2; ++ks) {
-    const int k0 = 8 * ks;
-    const float xa[4] = {X.at(g8, k0 + t4), X.at(g8 + 8, k0 + t4), X.at(g8, k0 + t4 + 4), X.at(g8 + 8, k0 + t4 + 4)};
-    uint32_t ahi[4], alo[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      if constexpr (kInverseSplitTf32) sm80::split_tf32(xa[r], ahi[r], alo[r]);
-      else ahi[r] = sm80::to_tf32_fast(xa[r]);
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const float y0 = Y.at(k0 + t4, 8 * nt + g8), y1 = Y.at(k0 + t4 + 4, 8 * nt + g8);
-      if constexpr (kInverseSplitTf32) {
-        uint32_t bhi0, blo0, bhi1, blo1;
-        sm80::split_tf32(y0, bhi0, blo0);
-        sm80::split_tf32(y1, bhi1, blo1);
-        sm80::mma_1688_tf32(acc[nt], alo, bhi0, bhi1);
-        sm80::mma_1688_tf32(acc[nt], ahi, blo0, blo1);
-        sm80::mma_1688_tf32(acc[nt], ahi, bhi0, bhi1);
-      } else {
-        sm80::mma_1688_tf32(acc[nt], ahi, sm80::to_tf32_fast(y0), sm80::to_tf32_fast(y1));
-      }
-    }
-  }
-}
-
-// A 16x16 block of C fragments (as block_product_tf32 leaves it), times sign, to shared memory.
-template <class View>
-__device__ __forceinline__ void store_block(const View& dst, const float (&acc)[2][4], float sign) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dst.at(sm80::FragAcc::m(lane, e), 8 * nt + sm80::FragAcc::n(lane, e)) = sign * acc[nt][e];
-}
 
 // Phase 2 work: the ten blocks (a, b), b <= a, of A and of M. A and M share their column operand
 // k e^{h−γ} and, off the diagonal, its per-channel factor: one warp runs both products of a block
@@ -501,16 +451,16 @@ __device__ __forceinline__ void inverse_blocks(const ChunkParams& p, PrepareSmem
   // as 16x16x16 products on the tf32 tensor cores.
   if (warp < kSubChunks - 1) {
     const int b = warp;
-    const PlainF32 scr{scratch + warp * kSubChunk * kScratchStride, kScratchStride};
+    const sm80::PlainF32 scr{scratch + warp * kSubChunk * kScratchStride, kScratchStride};
     for (int a = b + 1; a < kSubChunks; ++a) {
       float acc2[2][4] = {};
       for (int cc = b; cc < a; ++cc)
-        block_product_tf32(acc2, SqF32{amat, a * kSubChunk, cc * kSubChunk}, SqF32{linv, cc * kSubChunk, b * kSubChunk});
-      store_block(scr, acc2, 1.f);
+        sm80::block_product_tf32<kInverseSplitTf32>(acc2, SqF32{amat, a * kSubChunk, cc * kSubChunk}, SqF32{linv, cc * kSubChunk, b * kSubChunk});
+      sm80::store_block(scr, acc2, 1.f);
       __syncwarp();
       float acc3[2][4] = {};
-      block_product_tf32(acc3, SqF32{linv, a * kSubChunk, a * kSubChunk}, scr);
-      store_block(SqF32{linv, a * kSubChunk, b * kSubChunk}, acc3, -1.f);
+      sm80::block_product_tf32<kInverseSplitTf32>(acc3, SqF32{linv, a * kSubChunk, a * kSubChunk}, scr);
+      sm80::store_block(SqF32{linv, a * kSubChunk, b * kSubChunk}, acc3, -1.f);
       __syncwarp();  // L[a, b] is read by the next step; scr is rewritten
     }
   }

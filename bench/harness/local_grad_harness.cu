@@ -1,0 +1,83 @@
+// Standalone timing of chunk_local_grad's gradients pass without PyTorch: one sequence of T tokens,
+// HV heads (argv), the preprocessed fp32 inputs the pass reads (q̂, k̂ of about unit norm, log decays
+// in [-0.2, 0], β in [0, 1]), bf16 v, dO and chunk-boundary states. With PHASE_CLOCKS,
+// chunk_local_grad.cuh is the copy patched by phase_clocks.py (target local_grad) and thread 0 of
+// every block adds the clock cycles of each phase to g_phase_cycles.
+//   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//        local_grad_harness.cu -o local_grad_harness && ./local_grad_harness 8192 32
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#ifdef PHASE_CLOCKS
+__device__ unsigned long long g_phase_cycles[32];
+#endif
+#include "flashkda/backward/chunk_local_grad.cuh"
+#include "harness.cuh"
+
+// x[i] = lo + (hi - lo) · u, u from the bf16 normal fill's hash through a logistic map to [0, 1].
+__global__ void to_range(const __nv_bfloat16* n, float* x, size_t count, float lo, float hi) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x)
+    x[i] = lo + (hi - lo) / (1.f + __expf(-__bfloat162float(n[i])));
+}
+
+int main(int argc, char** argv) {
+  const int T = argc > 1 ? std::atoi(argv[1]) : 8192, HV = argc > 2 ? std::atoi(argv[2]) : 32;
+  constexpr int D = flashkda::chunk::kHeadDim, C = flashkda::chunk::kChunk;
+  const int chunks = (T + C - 1) / C;
+  const size_t n_tok = size_t(T) * HV * D, n_state = size_t(chunks) * HV * D * D;
+  __nv_bfloat16 *noise, *v, *dO, *states, *dstates;
+  float *q, *k, *g, *beta, *dq, *dk, *dv, *dg, *dbeta;
+  int64_t* bos;
+  int32_t* len;
+  CHECK(cudaMalloc(&noise, n_tok * 2));
+  for (float** x : {&q, &k, &g, &dq, &dk, &dv, &dg}) CHECK(cudaMalloc(x, n_tok * 4));
+  for (float** x : {&beta, &dbeta}) CHECK(cudaMalloc(x, size_t(T) * HV * 4));
+  for (__nv_bfloat16** x : {&v, &dO}) CHECK(cudaMalloc(x, n_tok * 2));
+  for (__nv_bfloat16** x : {&states, &dstates}) CHECK(cudaMalloc(x, n_state * 2));
+  CHECK(cudaMalloc(&bos, chunks * 8));
+  CHECK(cudaMalloc(&len, chunks * 4));
+  const float unit = 1.f / std::sqrt(float(D));  // q̂, k̂ of about unit norm
+  fill_normal_bf16<<<1024, 256>>>(noise, n_tok, 1, 1.f);
+  to_range<<<1024, 256>>>(noise, q, n_tok, -3.f * unit, 3.f * unit);
+  fill_normal_bf16<<<1024, 256>>>(noise, n_tok, 2, 1.f);
+  to_range<<<1024, 256>>>(noise, k, n_tok, -3.f * unit, 3.f * unit);
+  fill_normal_bf16<<<1024, 256>>>(noise, n_tok, 3, 1.f);
+  to_range<<<1024, 256>>>(noise, g, n_tok, -0.2f, 0.f);
+  to_range<<<1024, 256>>>(noise, beta, size_t(T) * HV, 0.f, 1.f);
+  fill_normal_bf16<<<1024, 256>>>(v, n_tok, 4, 1.f);
+  fill_normal_bf16<<<1024, 256>>>(dO, n_tok, 5, 1.f);
+  fill_normal_bf16<<<1024, 256>>>(states, n_state, 6, 0.1f);
+  fill_normal_bf16<<<1024, 256>>>(dstates, n_state, 7, 0.1f);
+  std::vector<int64_t> h_bos(chunks);
+  std::vector<int32_t> h_len(chunks);
+  for (int c = 0; c < chunks; ++c) h_bos[c] = int64_t(c) * C, h_len[c] = std::min(C, T - c * C);
+  CHECK(cudaMemcpy(bos, h_bos.data(), chunks * 8, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(len, h_len.data(), chunks * 4, cudaMemcpyHostToDevice));
+
+  flashkda::ChunkBwdParams p{};
+  p.q = q, p.k = k, p.v = v, p.g = g, p.beta = beta, p.dO = dO;
+  p.chunk_bos = bos, p.chunk_len = len, p.chunks = chunks, p.HV = HV;
+  p.pass = flashkda::chunk_bwd::Pass::kGradients;
+  p.states = states, p.dstates = dstates;
+  p.dq = dq, p.dk = dk, p.dv = dv, p.dg = dg, p.dbeta = dbeta;
+  cudaError_t launch_err = cudaSuccess;
+  const float med = median_ms([&] { launch_err = flashkda::run_chunk_local_grad<flashkda::chunk_bwd::Pass::kGradients>(p, 0); }, 10);
+  CHECK(launch_err);
+  CHECK(cudaDeviceSynchronize());
+  std::printf("chunk_local_grad gradients T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", T, HV, med,
+              1e3 * med / ((double(chunks) * HV + 131) / 132));
+#ifdef PHASE_CLOCKS
+  unsigned long long cyc[32];
+  CHECK(cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof(cyc)));
+  unsigned long long tot = 0;
+  for (int i = 0; i < 32; ++i) tot += cyc[i];
+  for (int i = 0; i < 32; ++i)  // 13 launches: the median's 10 and 3 warm-up rounds
+    if (cyc[i]) std::printf("  phase %2d: %5.1f%%  %8.0f cycles per block\n", i, 100.0 * cyc[i] / tot,
+                            double(cyc[i]) / (13.0 * chunks * HV));
+#endif
+  return 0;
+}
