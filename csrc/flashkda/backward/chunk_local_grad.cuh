@@ -409,7 +409,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     blk.copy_rows_async(smem + SmemLayout::slot(5), kHeadDim * 4, p.k);
   };
   static_assert(kChunk * kHeadDim * 4 <= 2 * ChunkTile::kBytes, "a staged fp32 chunk takes two slots");
-  stage_qk();
 
   // Γ, the pivots h_a and the factors f_ab, one thread per (sub-chunk a, channel c): the sub-chunk's
   // running sums in registers, its total through shared memory (over A) to the later sub-chunks.
@@ -420,6 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     float run[kSubChunk];
 #pragma unroll
     for (int t = 0; t < kSubChunk; ++t) run[t] = blk.load(p.g, own_a * kSubChunk + t, own_c);
+    stage_qk();  // after the loads that the sums wait for
 #pragma unroll
     for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
     total[own_a * kHeadDim + own_c] = run[kSubChunk - 1];
@@ -827,16 +827,23 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
     });
     __syncthreads();
-    if (tid < kHeadDim) {
-      float run = blk.end()[tid];
-      for (int t = kChunk - 1; t >= 0; --t) {
-        run += dgamma[t * kHeadDim + tid];
-        if (t < len) p.dg[blk.at(t, tid)] = run;
-      }
-    } else if (tid < kHeadDim + kChunk) {
-      const int t = tid - kHeadDim;
-      if (t < len) p.dbeta[(blk.bos + t) * p.HV + blk.hv] = blk.dbeta()[t];
+    {  // one thread per (sub-chunk, channel), as Γ: the sub-chunk's suffix sums, its total to the earlier ones
+      float* total = A;  // [kSubChunks][kHeadDim] (A is read no more)
+      const int t0 = own_a * kSubChunk;
+      float run[kSubChunk], sum = 0.f;
+#pragma unroll
+      for (int t = kSubChunk - 1; t >= 0; --t) run[t] = sum += dgamma[(t0 + t) * kHeadDim + own_c];
+      total[own_a * kHeadDim + own_c] = sum;
+      __syncthreads();
+      float after = blk.end()[own_c];
+#pragma unroll
+      for (int a = 1; a < kSubChunks; ++a)
+        if (a > own_a) after += total[a * kHeadDim + own_c];
+#pragma unroll
+      for (int t = 0; t < kSubChunk; ++t)
+        if (t0 + t < len) p.dg[blk.at(t0 + t, own_c)] = after + run[t];
     }
+    if (tid < kChunk && tid < len) p.dbeta[(blk.bos + tid) * p.HV + blk.hv] = blk.dbeta()[tid];
   }
 }
 
