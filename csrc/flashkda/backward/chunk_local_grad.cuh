@@ -1,11 +1,13 @@
-// chunk_local_grad: the per-chunk work of the chunked backward, one block of eight warps per
+// chunk_local_grad: the per-chunk work of the chunked backward, one block of sixteen warps per
 // (chunk, value head), every chunk in parallel (the passes and their math: chunk_bwd_params.h).
 //
 // Each block recomputes the chunk's local forward from the preprocessed inputs: the cumulative log
 // decay Γ, the decayed Gram matrices M and A, the unit lower triangular solve L = (I + diag(β) A)⁻¹
-// (fp32, by 16 x 16 blocks), T = L diag(β), w and u. Products run on the tensor cores (mma.sync
-// m16n8k16, bf16 operands in shared memory, fp32 accumulators); the block's 222 KB of shared memory
-// needs an sm_90 GPU.
+// (by 16 x 16 blocks, as chunk_prepare solves it), T = L diag(β), w and u. Products run on the tensor
+// cores (mma.sync m16n8k16, bf16 operands in shared memory, fp32 accumulators); the block's 218 KB
+// of shared memory needs an sm_90 GPU, and with one block per SM its sixteen warps are what hides
+// the latencies. The token rows a phase reads reach shared memory by cp.async ahead of their use:
+// with 128 registers a thread, loads into registers are issued one at a time next to their uses.
 //
 // Decay without overflow, as the forward (chunk_prepare.cuh): tokens in sub-chunks of 16, γ the
 // log decay from a token's sub-chunk start, h_a half of sub-chunk a's total. The Gram operands are
