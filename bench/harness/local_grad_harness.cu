@@ -2,7 +2,8 @@
 // HV heads (argv), the preprocessed fp32 inputs the pass reads (q̂, k̂ of about unit norm, log decays
 // in [-0.2, 0], β in [0, 1]), bf16 v, dO and chunk-boundary states. With PHASE_CLOCKS,
 // chunk_local_grad.cuh is the copy patched by phase_clocks.py (target local_grad) and thread 0 of
-// every block adds the clock cycles of each phase to g_phase_cycles.
+// every block adds the clock cycles of each phase to g_phase_cycles. argv[3], a path: dq, dk, dv,
+// dg and dβ (fp32, in that order) are written there after the timing, for compare_outputs.py.
 //   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        local_grad_harness.cu -o local_grad_harness && ./local_grad_harness 8192 32
 #include <cuda_bf16.h>
@@ -70,6 +71,18 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceSynchronize());
   std::printf("chunk_local_grad gradients T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", T, HV, med,
               1e3 * med / ((double(chunks) * HV + 131) / 132));
+  if (argc > 3) {
+    FILE* f = std::fopen(argv[3], "wb");
+    for (const auto& [x, n] : {std::pair{dq, n_tok}, {dk, n_tok}, {dv, n_tok}, {dg, n_tok}, {dbeta, size_t(T) * HV}}) {
+      std::vector<float> h(n);
+      CHECK(cudaMemcpy(h.data(), x, n * 4, cudaMemcpyDeviceToHost));
+      if (f == nullptr || std::fwrite(h.data(), 4, n, f) != n) {
+        std::fprintf(stderr, "cannot write %s\n", argv[3]);
+        return 1;
+      }
+    }
+    std::fclose(f);
+  }
 #ifdef PHASE_CLOCKS
   unsigned long long cyc[32];
   CHECK(cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof(cyc)));

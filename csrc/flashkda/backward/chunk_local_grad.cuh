@@ -274,9 +274,9 @@ struct Block {
   __device__ __forceinline__ static float4 load4(const Bf16* x) {
     return unpack4(__ldg(reinterpret_cast<const uint2*>(x)));
   }
-  // tile[t][c] = f(t, c, x[t][c]) over the chunk, from a token tensor (fp32 or bf16). A thread
-  // issues its loads before its stores, in two parts (the loads' latency, not their bandwidth,
-  // bounds these fills; the registers of the gradients pass allow no more in flight).
+  // tile[t][c] = f(t, c, x[t][c]) over the chunk, from a token tensor (fp32 or bf16), through
+  // registers: loads before stores in two parts, though under the gradients pass's register limit
+  // ptxas may still issue them one by one (its rows that need no transform come by copy_rows_async).
   template <class Src, class F>
   __device__ __forceinline__ void fill(const ChunkTile& tile, const Src* x, F&& f) const {
     constexpr int kPerRow = kHeadDim / 4, kParts = 2, kIters = kChunk * kPerRow / kThreads / kParts;

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Device-side A/B of chunk_local_grad's gradients pass: the checked-out csrc and csrc with each patch
+# applied (git diffs against the repository root), each built into local_grad_harness.cu for sm_90a
+# in parallel, timed in turn twice (ABAB, so drift shows) at T = 8192, HV = 32 and 96, and each
+# variant's gradients compared with the base's (compare_outputs.py).
+# Timing and agreement only: a variant that wins still has to pass the GPU tests once applied.
+#   bash bench/harness/ab_local_grad.sh [variant.patch ...]
+set -uo pipefail
+# CuTe/CUTLASS headers: where setup.py finds them (CUTLASS_HOME, third_party/cutlass, the wheel).
+cutlass=$(python3 -c "import setup; print(setup.find_cutlass_include())") || exit 1
+flags="-std=c++17 -O3 -I$cutlass -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
+names=(base) dirs=(csrc)
+for patch in "$@"; do
+  name=$(basename "$patch" .patch) dir=/tmp/ab/$name
+  rm -rf "$dir" && mkdir -p "$dir" && cp -r csrc "$dir/"
+  if patch -s -p1 -d "$dir" < "$patch"; then names+=("$name") dirs+=("$dir/csrc"); else echo "$name: patch failed"; fi
+done
+for i in "${!names[@]}"; do
+  nvcc $flags -I"${dirs[$i]}" bench/harness/local_grad_harness.cu -o "/tmp/lg_ab_${names[$i]}" \
+    > "/tmp/lg_ab_${names[$i]}.log" 2>&1 &
+done
+wait
+for round in 1 2; do
+  for name in "${names[@]}"; do
+    if [[ ! -x /tmp/lg_ab_$name ]]; then [[ $round == 1 ]] && { echo "$name: build failed"; tail -3 "/tmp/lg_ab_$name.log"; }; continue; fi
+    for hv in 32 96; do echo "$name $(/tmp/lg_ab_$name 8192 $hv)"; done
+  done
+done
+[[ -x /tmp/lg_ab_base ]] && /tmp/lg_ab_base 8192 32 /tmp/lg_ab_base.bin >/dev/null
+for name in "${names[@]:1}"; do
+  [[ -x /tmp/lg_ab_$name ]] && /tmp/lg_ab_$name 8192 32 "/tmp/lg_ab_$name.bin" >/dev/null \
+    && echo "$name vs base: $(python3 bench/harness/compare_outputs.py /tmp/lg_ab_base.bin "/tmp/lg_ab_$name.bin" 8192 32)"
+done
