@@ -6,15 +6,7 @@
 # Timing and agreement only: a variant that wins still has to pass the GPU tests once applied.
 #   bash bench/harness/ab_local_grad.sh [variant.patch ...]
 set -uo pipefail
-# CuTe/CUTLASS headers: where setup.py finds them (CUTLASS_HOME, third_party/cutlass, the wheel).
-cutlass=$(python3 -c "import setup; print(setup.find_cutlass_include())") || exit 1
-flags="-std=c++17 -O3 -I$cutlass -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
-names=(base) dirs=(csrc)
-for patch in "$@"; do
-  name=$(basename "$patch" .patch) dir=/tmp/ab/$name
-  rm -rf "$dir" && mkdir -p "$dir" && cp -r csrc "$dir/"
-  if patch -s -p1 -d "$dir" < "$patch"; then names+=("$name") dirs+=("$dir/csrc"); else echo "$name: patch failed"; fi
-done
+source bench/harness/ab_variants.sh
 for i in "${!names[@]}"; do
   nvcc $flags -I"${dirs[$i]}" bench/harness/local_grad_harness.cu -o "/tmp/lg_ab_${names[$i]}" \
     > "/tmp/lg_ab_${names[$i]}.log" 2>&1 &
