@@ -18,7 +18,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
-# bench/test_train.py and, unless MODEL=0, bench/train_fla_model.py) | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
+# bench/test_train.py and, unless MODEL=0, bench/train_fla_model.py; with HARNESS=1 first
+# bench/harness/run_local_grad.sh, the backward's gradients pass alone with its phase clocks) | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
 # chunk_prepare, chunk_recurrence and the sm_90 decode kernel) | prefix (prefix caching: the
 # required cases of bench/test_prefill.py with the plain call and FLA's flagged call, then
@@ -153,6 +154,7 @@ if [[ $what == e2e ]]; then  # the FLA drop-in: TESTS, FLA's dispatch host cost,
 fi
 if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fwd+bwd rows, FLA's model trained
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}  # every step's log also in $OUT (a time-out keeps it)
+  [[ ${HARNESS:-0} == 1 ]] && timeout 120 bash bench/harness/run_local_grad.sh 2>&1 | tail -24 | tee "$OUT/local_grad.txt"
   timeout 120 python3 bench/train_profile.py 2>&1 | grep -v -i warn | tee "$OUT/train_profile.txt" | head -24
   timeout ${TEST_LIMIT:-300} python3 -m pytest -q ${TESTS:-tests/test_autograd.py tests/test_api.py tests/test_fla_backend.py} \
     -m "${TEST_MARK-not slow}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider >"$OUT/train_tests.log" 2>&1
