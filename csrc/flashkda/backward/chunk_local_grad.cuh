@@ -59,11 +59,6 @@ struct Tile {
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
     *reinterpret_cast<__nv_bfloat162*>(p + r * kStride + c) = __floats2bfloat162_rn(x, y);
   }
-  // store2 as an asm volatile store: kept in program order after the ordered loads before it.
-  __device__ __forceinline__ void store2_ordered(int r, int c, float x, float y) const {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr(r, c)), "r"(*reinterpret_cast<const uint32_t*>(&v)));
-  }
   __device__ __forceinline__ float get(int r, int c) const { return __bfloat162float(p[r * kStride + c]); }
   __device__ __forceinline__ float2 get2(int r, int c) const {  // c even
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p + r * kStride + c));
@@ -261,14 +256,6 @@ struct Block {
     const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
     return make_float4(lo.x, lo.y, hi.x, hi.y);
   }
-  // A 16-byte read-only global load as asm volatile: such loads and the ordered stores keep their
-  // program order, so the loads of a fill stay in flight together (with 128 registers a thread,
-  // ptxas otherwise moves each load next to its use, one memory latency per load).
-  __device__ __forceinline__ static float4 load4_ordered(const float* x) {
-    float4 v;
-    asm volatile("ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(x));
-    return v;
-  }
   // Four consecutive elements of a token tensor (fp32, or bf16 as fp32).
   __device__ __forceinline__ static float4 load4(const float* x) { return __ldg(reinterpret_cast<const float4*>(x)); }
   __device__ __forceinline__ static float4 load4(const Bf16* x) {
@@ -355,9 +342,6 @@ struct Block {
         if (y != nullptr) f(r, c, unpack4(v[it]), unpack4(w[it]));
       }
     }
-  }
-  __device__ __forceinline__ void fill_state(const StateTile& tile, const Bf16* x) const {
-    fill_state(tile, x, nullptr, [](int, int, const float4&, const float4&) {});
   }
 };
 
