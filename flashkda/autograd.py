@@ -461,7 +461,8 @@ def _kernel_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ..
 
 
 def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary_states=None):
-    """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·] fp32, dS0)`` from the
+    """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·], dS0)``, fp32 but dv in v's
+    dtype where that is bf16 or fp16 (the kernel rounds it once, as the final cast would), from the
     preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group), the initial state
     ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
 

@@ -35,8 +35,9 @@ void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bo
 
 // Pass 0 (transitions): returns [D, B, Y], each [chunks, HV, D, D] fp32. Pass 1 (gradients, with
 // `states` and `dstates` [chunks, HV, D, D] fp32 or bf16): returns [dq, dk, dv, dg, dbeta] in the token
-// layout of the inputs (zeros for tokens in no chunk; `every_token`: the chunks cover every token,
-// and nothing is zero-filled). Inputs: chunk_bwd_params.h.
+// layout of the inputs, fp32 but dv in v's dtype where that is bf16 or fp16 (zeros for tokens in no
+// chunk; `every_token`: the chunks cover every token, and nothing is zero-filled). Inputs:
+// chunk_bwd_params.h.
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
@@ -95,14 +96,17 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     p.states = reinterpret_cast<const __nv_bfloat16*>(bf16[0].data_ptr());
     p.dstates = reinterpret_cast<const __nv_bfloat16*>(bf16[1].data_ptr());
     // Zeros only where some token may lie in no chunk (varlen); else the kernel writes every one.
-    const auto make = [every_token](const at::Tensor& like) {
-      return every_token ? at::empty_like(like) : at::zeros_like(like);
+    const auto make = [every_token](const at::Tensor& like, at::ScalarType type) {
+      return every_token ? at::empty(like.sizes(), like.options().dtype(type))
+                         : at::zeros(like.sizes(), like.options().dtype(type));
     };
-    for (int i = 0; i < 4; ++i) out.push_back(make(q));
-    out.push_back(make(beta));
+    const bool dv16 = v.scalar_type() == at::kBFloat16 || v.scalar_type() == at::kHalf;
+    for (int i = 0; i < 4; ++i) out.push_back(make(q, i == 2 && dv16 ? v.scalar_type() : at::kFloat));
+    out.push_back(make(beta, at::kFloat));
     p.dq = out[0].data_ptr<float>();
     p.dk = out[1].data_ptr<float>();
-    p.dv = out[2].data_ptr<float>();
+    p.dv = out[2].data_ptr();
+    p.dv_dtype = to_dtype(out[2], "dv");
     p.dg = out[3].data_ptr<float>();
     p.dbeta = out[4].data_ptr<float>();
     err = run_chunk_local_grad<chunk_bwd::Pass::kGradients>(p, stream);

@@ -54,12 +54,14 @@ struct ChunkBwdParams {
   // start and the gradient of the state after it (the products take them as bf16 operands).
   const __nv_bfloat16* states;
   const __nv_bfloat16* dstates;
-  // kGradients: outputs, fp32, token rows as the inputs (rows of other tokens untouched).
-  float* dq;     // [rows, HV, D]
-  float* dk;     // [rows, HV, D]
-  float* dv;     // [rows, HV, D]
-  float* dg;     // [rows, HV, D]
-  float* dbeta;  // [rows, HV]
+  // kGradients: outputs, token rows as the inputs (rows of other tokens untouched); fp32 but dv, which
+  // nothing downstream transforms: it is written in its final dtype (v's), rounded once.
+  float* dq;        // [rows, HV, D]
+  float* dk;        // [rows, HV, D]
+  void* dv;         // [rows, HV, D] in dv_dtype
+  DType dv_dtype;
+  float* dg;        // [rows, HV, D]
+  float* dbeta;     // [rows, HV]
 };
 
 // The two scans over chunks (chunk_state_scan.cuh), on the transitions pass's maps, for N

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -234,6 +235,17 @@ struct Block {
   }
   __device__ __forceinline__ void store2(float* x, int t, int c, float a, float b) const {
     if (t < len) *reinterpret_cast<float2*>(x + at(t, c)) = make_float2(a, b);
+  }
+  // The same into a token tensor of dtype `type` (fp32, or rounded to bf16 / fp16).
+  __device__ __forceinline__ void store2(void* x, DType type, int t, int c, float a, float b) const {
+    if (t >= len) return;
+    const int64_t i = at(t, c);
+    if (type == DType::kBFloat16)
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<Bf16*>(x) + i) = __floats2bfloat162_rn(a, b);
+    else if (type == DType::kFloat16)
+      *reinterpret_cast<__half2*>(static_cast<__half*>(x) + i) = __floats2half2_rn(a, b);
+    else
+      *reinterpret_cast<float2*>(static_cast<float*>(x) + i) = make_float2(a, b);
   }
   __device__ __forceinline__ float2 G2(int t, int c) const { return *reinterpret_cast<const float2*>(gamma() + t * kHeadDim + c); }
   __device__ __forceinline__ float G(int t, int c) const { return gamma()[t * kHeadDim + c]; }
@@ -699,7 +711,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       dv.zero();
       dv.mma<true, true>(Tt, dUt, 0, kChunk);
       ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-        blk.store2(p.dv, t, c, dv.c[mi][ni][2 * h], dv.c[mi][ni][2 * h + 1]);
+        blk.store2(p.dv, p.dv_dtype, t, c, dv.c[mi][ni][2 * h], dv.c[mi][ni][2 * h + 1]);
       });
     }
     __syncthreads();
