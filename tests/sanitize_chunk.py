@@ -7,7 +7,9 @@ Lengths 1, 15, 16, 17, 0, 97 with GVA, a bf16 initial state, masks (exact diagon
 every value split and kernel family, whole chains and segments of one chunk (the local pass, the
 segment scan, the output pass), states at chunk starts (dense, and into a pool by int32 and int64
 slots) and the serving form (pool slots, a padding slot, has_initial_state), so every code path of
-the chunked kernels runs once.
+the chunked kernels runs once. Then the backward's kernels under autograd: a bf16 varlen call (the
+per-token passes, the forward kernels again, chunk_state_grad, the gradients pass) and an fp32 one
+(the transitions pass and the scans instead), with GVA and V-first states.
 """
 
 import torch
@@ -15,7 +17,7 @@ import torch
 import flashkda
 from flashkda import _ext
 
-from helpers import make_inputs
+from helpers import grads_of, make_inputs
 
 if __name__ == "__main__":
     for family, split, segment in [(f, s, g) for f in ("sm80", "sm90") for s in (1, 2) for g in (0, 1)]:
@@ -38,5 +40,14 @@ if __name__ == "__main__":
         flashkda.chunk_kda(**dict(kw, initial_state=pool), ssm_state_indices=torch.tensor([5, 0, -1, 2], device="cuda"),
                            has_initial_state=torch.tensor([True, False, True, True], device="cuda"),
                            return_intermediate_states=True)
+    _ext.set_kernel_family("auto")
+    _ext.config.chunk_value_split, _ext.config.chunk_segment = 0, -1  # the library's own choices
+    if _ext.chunk_bwd_shortfall(torch.cuda.current_device()) is None:
+        for dtype in (torch.bfloat16, torch.float32):
+            kw = make_inputs(lens=[1, 17, 0, 97], H=1, HV=2, D=128, gate="lower_bound", dtype=dtype, device="cuda",
+                             state_v_first=True, seed=1)
+            o, _ = flashkda.chunk_kda(**kw, output_final_state=True)
+            grads_of(flashkda.chunk_kda, kw, torch.randn_like(o), torch.randn_like(kw["initial_state"]),
+                     output_final_state=True)
     torch.cuda.synchronize()
     print("sanitize_chunk: done")
