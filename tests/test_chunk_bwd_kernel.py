@@ -247,6 +247,12 @@ def test_kernel_passes_match_reference(decay):
     want = local_grad_reference(*ref_in, bos_c, len_c, 1, S, dS)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, want):
         assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"
+    # 16-bit v: dv comes in v's dtype, the fp32 one rounded once (dv = Tᵀ dU does not read v)
+    for dtype in (torch.bfloat16, torch.float16):
+        got16 = _ext.chunk_local_grad_op(q, k, v.to(dtype), g, beta, dO, bos, length, 1, S.float().cuda(),
+                                         dS.bfloat16().cuda())
+        assert got16[2].dtype == dtype and got[2].dtype == torch.float32
+        assert torch.equal(got16[2], got[2].to(dtype)), f"dv in {dtype}"
 
 
 @cuda
