@@ -1,9 +1,7 @@
 # Sourced by the ab_*.sh scripts: the nvcc flags of the harnesses ($flags) and the variants to time:
 # names=(base ...) and dirs=(csrc ...), one copy of csrc under /tmp/ab per patch given ("$@": git
 # diffs against the repository root; one that does not apply is reported and left out).
-# CuTe/CUTLASS headers: where setup.py finds them (CUTLASS_HOME, third_party/cutlass, the wheel).
-cutlass=$(python3 -c "import setup; print(setup.find_cutlass_include())") || exit 1
-flags="-std=c++17 -O3 -I$cutlass -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
+source bench/harness/nvcc_flags.sh
 names=(base) dirs=(csrc)
 for patch in "$@"; do
   name=$(basename "$patch" .patch) dir=/tmp/ab/$name

@@ -68,3 +68,20 @@ double rel_diff(const T* a, const T* b, size_t n) {
   }
   return std::sqrt(d / r);
 }
+
+// Appends `bytes` bytes of device memory to f; false if the copy or the write fails.
+inline bool append_device_bytes(FILE* f, const void* device, size_t bytes) {
+  std::vector<unsigned char> h(bytes);
+  return f != nullptr && cudaMemcpy(h.data(), device, bytes, cudaMemcpyDeviceToHost) == cudaSuccess &&
+         std::fwrite(h.data(), 1, bytes, f) == bytes;
+}
+
+// The phase clocks of phase_clocks.py's marks (cycles summed over every block of `launches`
+// launches of `blocks` blocks): each phase's share and its cycles per block.
+inline void print_phase_cycles(const unsigned long long* cycles, int phases, double launches, double blocks) {
+  unsigned long long total = 0;
+  for (int i = 0; i < phases; ++i) total += cycles[i];
+  for (int i = 0; i < phases; ++i)
+    if (cycles[i]) std::printf("  phase %2d: %5.1f%%  %8.0f cycles per block\n", i, 100.0 * cycles[i] / total,
+                               double(cycles[i]) / (launches * blocks));
+}

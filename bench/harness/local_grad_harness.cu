@@ -73,24 +73,19 @@ int main(int argc, char** argv) {
               1e3 * med / ((double(chunks) * HV + 131) / 132));
   if (argc > 3) {
     FILE* f = std::fopen(argv[3], "wb");
-    for (const auto& [x, n] : {std::pair{dq, n_tok}, {dk, n_tok}, {dv, n_tok}, {dg, n_tok}, {dbeta, size_t(T) * HV}}) {
-      std::vector<float> h(n);
-      CHECK(cudaMemcpy(h.data(), x, n * 4, cudaMemcpyDeviceToHost));
-      if (f == nullptr || std::fwrite(h.data(), 4, n, f) != n) {
-        std::fprintf(stderr, "cannot write %s\n", argv[3]);
-        return 1;
-      }
+    bool ok = true;
+    for (const auto& [x, n] : {std::pair{dq, n_tok}, {dk, n_tok}, {dv, n_tok}, {dg, n_tok}, {dbeta, size_t(T) * HV}})
+      ok = ok && append_device_bytes(f, x, n * 4);
+    if (f != nullptr) std::fclose(f);
+    if (!ok) {
+      std::fprintf(stderr, "cannot write %s\n", argv[3]);
+      return 1;
     }
-    std::fclose(f);
   }
 #ifdef PHASE_CLOCKS
   unsigned long long cyc[32];
   CHECK(cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof(cyc)));
-  unsigned long long tot = 0;
-  for (int i = 0; i < 32; ++i) tot += cyc[i];
-  for (int i = 0; i < 32; ++i)  // 13 launches: the median's 10 and 3 warm-up rounds
-    if (cyc[i]) std::printf("  phase %2d: %5.1f%%  %8.0f cycles per block\n", i, 100.0 * cyc[i] / tot,
-                            double(cyc[i]) / (13.0 * chunks * HV));
+  print_phase_cycles(cyc, 32, 13.0, double(chunks) * HV);  // 13 launches: 10 timed, 3 warm-up
 #endif
   return 0;
 }

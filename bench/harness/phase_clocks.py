@@ -24,7 +24,7 @@ TARGETS = {
     # warp 0: Γ's channels 0-31, a diagonal block of the solve, then rows 0-15 of every product
     "local_grad": ("flashkda/backward/chunk_local_grad.cuh", "  const SquareTile Lt = blk.tile<SquareTile>(SmemLayout::kL);\n",
                    "chunk_local_grad_kernel(const ChunkBwdParams p)", "}  // namespace chunk_bwd",
-                   ["  // Gram operands", "  build_gram_operands();\n  __syncthreads();\n  // M", "  // M (j <= i)",
+                   ["  build_gram_operands();\n  __syncthreads();\n  // M", "  // M (j <= i)",
                     "  // L = (I + Ab)", "  // k̂ e^Γ from", "    cute::cp_async_wait<0>();  // S and dO",
                     "    // dS' (the next", "    SquareAcc dM;", "    blk.copy_state_async(St", "    const ChunkTile dwt",
                     "    const SquareTile X1", "      SquareAcc y;", "      // G = −strict_tril", "    stage_qk();  // over",

@@ -47,23 +47,19 @@ int main(int argc, char** argv) {
   std::printf("chunk_prepare T=%d H=%d: median %.3f ms (%.2f TB/s of inputs + records)\n", T, H, med,
               bytes / (med * 1e-3) / 1e12);
   if (argc > 3) {
-    std::vector<unsigned char> rec(size_t(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes);
-    CHECK(cudaMemcpy(rec.data(), p.workspace, rec.size(), cudaMemcpyDeviceToHost));
     FILE* f = std::fopen(argv[3], "wb");
-    if (f == nullptr || std::fwrite(rec.data(), 1, rec.size(), f) != rec.size()) {
+    const bool ok = append_device_bytes(f, p.workspace,
+                                        size_t(p.num_chunk_slots) * H * flashkda::chunk::WorkspaceLayout::kRecordBytes);
+    if (f != nullptr) std::fclose(f);
+    if (!ok) {
       std::fprintf(stderr, "cannot write %s\n", argv[3]);
       return 1;
     }
-    std::fclose(f);
   }
 #ifdef PHASE_CLOCKS
   unsigned long long cyc[16];
   CHECK(cudaMemcpyFromSymbol(cyc, g_phase_cycles, sizeof(cyc)));
-  unsigned long long tot = 0;
-  for (int i = 0; i < 16; ++i) tot += cyc[i];
-  for (int i = 0; i < 16; ++i)
-    if (cyc[i]) std::printf("  phase %2d: %6.1f%%  %8.0f cycles per block\n", i, 100.0 * cyc[i] / tot,
-                            double(cyc[i]) / (23.0 * p.num_chunk_slots * H));
+  print_phase_cycles(cyc, 16, 23.0, double(p.num_chunk_slots) * H);  // 23 launches: 20 timed, 3 warm-up
 #endif
   return 0;
 }

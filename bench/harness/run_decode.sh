@@ -3,9 +3,8 @@
 # given N values. Usage: bash bench/harness/run_decode.sh [N ...]   (default 64 256 1024)
 set -uo pipefail
 ns=${*:-64 256 1024}
-# CuTe/CUTLASS headers: where setup.py finds them (CUTLASS_HOME, third_party/cutlass, the wheel).
-cutlass=$(python3 -c "import setup; print(setup.find_cutlass_include())") || exit 1
-flags="-std=c++17 -O3 -I$cutlass -Icsrc -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
+source bench/harness/nvcc_flags.sh
+flags="$flags -Icsrc"
 configs=("float:4,32,2" "float:4,64,1" "float:8,64,1" "__nv_bfloat16:4,32,3" "__nv_bfloat16:4,64,2"
          "__nv_bfloat16:4,64,3" "__nv_bfloat16:8,64,2" "__nv_bfloat16:8,128,1")
 for c in "${configs[@]}"; do

@@ -3,9 +3,7 @@
 #   bash bench/harness/run_local_grad.sh [csrc dir, default csrc]
 set -euo pipefail
 src=${1:-csrc}
-# CuTe/CUTLASS headers: where setup.py finds them (CUTLASS_HOME, third_party/cutlass, the wheel).
-cutlass=$(python3 -c "import setup; print(setup.find_cutlass_include())") || exit 1
-flags="-std=c++17 -O3 -I$cutlass -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
+source bench/harness/nvcc_flags.sh
 python3 bench/harness/phase_clocks.py "$src" /tmp/lgc/csrc local_grad
 nvcc $flags -I"$src" bench/harness/local_grad_harness.cu -o /tmp/lg_plain &
 nvcc $flags -I/tmp/lgc/csrc -DPHASE_CLOCKS bench/harness/local_grad_harness.cu -o /tmp/lg_clocks &

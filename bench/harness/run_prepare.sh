@@ -3,9 +3,7 @@
 #   bash bench/harness/run_prepare.sh [csrc dir, default csrc]
 set -euo pipefail
 src=${1:-csrc}
-# CuTe/CUTLASS headers: where setup.py finds them (CUTLASS_HOME, third_party/cutlass, the wheel).
-cutlass=$(python3 -c "import setup; print(setup.find_cutlass_include())") || exit 1
-flags="-std=c++17 -O3 -I$cutlass -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr"
+source bench/harness/nvcc_flags.sh
 python3 bench/harness/phase_clocks.py "$src" /tmp/pc/csrc prepare
 nvcc $flags -I"$src" bench/harness/prepare_harness.cu -o /tmp/prep_plain &
 nvcc $flags -I/tmp/pc/csrc -DPHASE_CLOCKS bench/harness/prepare_harness.cu -o /tmp/prep_clocks &

@@ -228,15 +228,15 @@ struct Block {
 
   // Element offset of (token t, channel c) in the token tensors of this head.
   __device__ __forceinline__ int64_t at(int t, int c) const { return head0 + (t * token_pitch + c); }
+  // Element offset of this (chunk, head)'s [kHeadDim][kHeadDim] matrix in a chunk-state tensor.
+  __device__ __forceinline__ int64_t state_at() const { return (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim); }
   __device__ __forceinline__ float load(const float* x, int t, int c) const { return t < len ? __ldg(x + at(t, c)) : 0.f; }
   // Channels c, c + 1 (c even) of token t.
   __device__ __forceinline__ float2 load2(const float* x, int t, int c) const {
     return t < len ? __ldg(reinterpret_cast<const float2*>(x + at(t, c))) : make_float2(0.f, 0.f);
   }
-  __device__ __forceinline__ void store2(float* x, int t, int c, float a, float b) const {
-    if (t < len) *reinterpret_cast<float2*>(x + at(t, c)) = make_float2(a, b);
-  }
-  // The same into a token tensor of dtype `type` (fp32, or rounded to bf16 / fp16).
+  // Channels c, c + 1 (c even) of token t into a token tensor of dtype `type` (fp32, or rounded to
+  // bf16 / fp16); nothing for tokens past the chunk's end.
   __device__ __forceinline__ void store2(void* x, DType type, int t, int c, float a, float b) const {
     if (t >= len) return;
     const int64_t i = at(t, c);
@@ -318,7 +318,7 @@ struct Block {
   // The same for the [kHeadDim][kHeadDim] bf16 matrix of this (chunk, head) in x, into a state tile.
   __device__ __forceinline__ void copy_state_async(const StateTile& tile, const Bf16* x) const {
     constexpr int kPieces = kHeadDim * 2 / 16;
-    const Bf16* base = x + (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim);
+    const Bf16* base = x + state_at();
 #pragma unroll
     for (int i = threadIdx.x; i < kHeadDim * kPieces; i += kThreads) {
       const int r = i / kPieces, piece = i % kPieces;
@@ -335,7 +335,7 @@ struct Block {
   template <class F>
   __device__ __forceinline__ void fill_state(const StateTile& tile, const Bf16* x, const Bf16* y, F&& f) const {
     constexpr int kPerRow = kHeadDim / 4, kParts = 4, kIters = kHeadDim * kPerRow / kThreads / kParts;
-    const int64_t base = (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim) / 4;
+    const int64_t base = state_at() / 4;
     const uint2* xs = reinterpret_cast<const uint2*>(x) + base;  // four bf16 each
     const uint2* ys = reinterpret_cast<const uint2*>(y) + base;
 #pragma unroll
@@ -446,6 +446,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       for (int b = 0; b < a; ++b) blk.factor(a, b)[own_c] = __expf(before[a] - before[b] + h[a] - h[b]);
     }
   }
+  cute::cp_async_wait<0>();  // stage_qk: this barrier completes it too
   __syncthreads();
 
   // Gram operands: q̂ e^{γ−h}, k̂ e^{γ−h} (rows), k̂ e^{h−γ} (columns), from q̂ and k̂ staged in
@@ -474,8 +475,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       }
     }
   };
-  cute::cp_async_wait<0>();  // stage_qk, issued at the start
-  __syncthreads();
   build_gram_operands();
   __syncthreads();
   // M (j <= i) and A (j < i), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks.
@@ -595,7 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       P.mma<false, true>(Mt, wt, 0, kChunk, true);
       P.store(Pt, [&](int t, int c, float x) { return x + blk.load(p.q, t, c) * __expf(blk.G(t, c)); });
     }
-    const int64_t base = (blk.chunk * p.HV + blk.hv) * int64_t(kHeadDim * kHeadDim);
+    const int64_t base = blk.state_at();
     auto write = [&](float* out, StateAcc& acc, bool diagonal_decay) {
       StateAcc::for_each([&](int mi, int ni, int e, int r, int c) {
         float x = acc.c[mi][ni][e];
@@ -816,8 +815,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       });
     }
     ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-      blk.store2(p.dq, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
-      blk.store2(p.dk, t, c, dk.c[mi][ni][2 * h], dk.c[mi][ni][2 * h + 1]);
+      blk.store2(p.dq, DType::kFloat32, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
+      blk.store2(p.dk, DType::kFloat32, t, c, dk.c[mi][ni][2 * h], dk.c[mi][ni][2 * h + 1]);
     });
     // dg: suffix sums of dΓ over the chunk, the chunk-end terms (kd, e^{Γ_C}) at its last token.
     float* dgamma = reinterpret_cast<float*>(smem + SmemLayout::slot(3));  // over dw and X1
