@@ -46,8 +46,7 @@ if __name__ == "__main__":
         for dtype in (torch.bfloat16, torch.float32):
             kw = make_inputs(lens=[1, 17, 0, 97], H=1, HV=2, D=128, gate="lower_bound", dtype=dtype, device="cuda",
                              state_v_first=True, seed=1)
-            o, _ = flashkda.chunk_kda(**kw, output_final_state=True)
-            grads_of(flashkda.chunk_kda, kw, torch.randn_like(o), torch.randn_like(kw["initial_state"]),
+            grads_of(flashkda.chunk_kda, kw, torch.randn_like(kw["v"]), torch.randn_like(kw["initial_state"]),
                      output_final_state=True)
     torch.cuda.synchronize()
     print("sanitize_chunk: done")
