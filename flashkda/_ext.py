@@ -202,6 +202,8 @@ if HAS_EXTENSION:
     chunk_bwd_inputs_op = torch.ops.flashkda.chunk_bwd_inputs.default
     chunk_bwd_input_grads_op = torch.ops.flashkda.chunk_bwd_input_grads.default
     CHUNK_BWD_MAX_SUBCHUNK_SPAN = _C.chunk_bwd_max_subchunk_span()
+    #: Bytes of one chunk record (per chunk entry and value head) that a forward keeps for its backward.
+    CHUNK_RECORD_BYTES = _C.chunk_record_bytes()
 
     def chunk_bwd_shortfall(index: int):
         """Why CUDA device ``index`` cannot run the chunked backward's kernel (it needs more shared
@@ -213,7 +215,7 @@ if HAS_EXTENSION:
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
                         gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, value_split,
                         segment_chunks, chunk_states=None, chunk_state_slots=None, ssm_state_indices=None,
-                        has_initial_state=None):
+                        has_initial_state=None, records=None):
         return None
 
     @torch.library.register_fake("flashkda::recurrent_fwd")

@@ -20,7 +20,7 @@ import torch
 from flashkda import _constants as C
 from flashkda import _ext
 from flashkda._ext import log
-from flashkda.autograd import ChunkFunction, ChunkOptions
+from flashkda.autograd import ChunkFunction, ChunkOptions, forward_records
 from flashkda.reference import kda_reference
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -333,7 +333,7 @@ def _chunk_kernel_unsupported(p: _Problem, q) -> Optional[str]:
 
 def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state,
                       l2norm, beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first, chunk_states=None,
-                      chunk_state_slots=None, ssm_state_indices=None, has_initial_state=None):
+                      chunk_state_slots=None, ssm_state_indices=None, has_initial_state=None, records=None):
     g, beta = _ext.chunk_gate_beta(g, beta)
     o = torch.empty_like(v, memory_format=torch.contiguous_format)
     A_log, dt_bias = _gate_params(p, A_log, dt_bias)
@@ -347,7 +347,7 @@ def _run_chunk_kernel(p: _Problem, q, k, v, g, beta, A_log, dt_bias, cu_seqlens,
     run(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, ht, o, p.scale, p.gate_mode,
         float(lower_bound) if lower_bound is not None else 0.0, l2norm, beta_sigmoid, allow_neg_eigval,
         state_v_first, _ext.config.chunk_value_split, _ext.config.chunk_segment, chunk_states, chunk_state_slots,
-        ssm_state_indices, has_initial_state)
+        ssm_state_indices, has_initial_state, records)
     return o, ht
 
 
@@ -535,9 +535,19 @@ def _chunk_with_grad(fn, p: _Problem, q, k, v, g, beta, A_log, dt_bias, initial_
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state):
         args = (p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, output_final_state, l2norm,
                 beta_sigmoid, allow_neg_eigval, lower_bound, state_v_first)
-        if chunked:
-            return _run_chunk_kernel(*args)
-        return _run_recurrent_kernel(*args, None, None, None)  # the token-by-token kernel, as without grad
+        if not chunked:  # the token-by-token kernel, as without grad
+            return (*_run_recurrent_kernel(*args, None, None, None), None)
+        records = forward_records(p.B, p.T, p.N, p.HV, cu_seqlens is not None, q.device)
+        if records is None:
+            return (*_run_chunk_kernel(*args), None)
+        # The records' states are key-first: a V-first initial and final state are transposed around.
+        h0 = initial_state.mT if state_v_first and initial_state is not None else initial_state
+        o, ht = _run_chunk_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, output_final_state, l2norm,
+                                  beta_sigmoid, allow_neg_eigval, lower_bound, False, chunk_states=records.states,
+                                  records=records.records)
+        if state_v_first and ht is not None:
+            ht = ht.mT.contiguous()
+        return o, ht, records
 
     opts = ChunkOptions(p.scale, l2norm, use_gate_in_kernel, lower_bound, beta_sigmoid, allow_neg_eigval,
                         state_v_first, cu_seqlens, cu_seqlens_cpu)

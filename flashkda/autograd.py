@@ -1,8 +1,9 @@
 """Gradients of the chunked prefill (``chunk_kda`` / ``chunk_gated_delta_rule``) under autograd.
 
 A call that the CUDA kernels serve records :class:`ChunkFunction`: its forward is the kernels'
-forward and saves only the inputs; its backward (:func:`chunk_backward`) recomputes what it needs
-and returns the gradients of every input that requires grad, FLA's gradients with FLA's semantics
+forward and saves the inputs and, on the chunked kernels, the states at chunk starts (bf16) and
+chunk_prepare's chunk records (:class:`ForwardRecords`); its backward (:func:`chunk_backward`)
+recomputes the rest and returns the gradients of every input that requires grad, FLA's gradients with FLA's semantics
 (raw gate, ``A_log`` and ``dt_bias`` in their own shapes, raw ``beta`` through the sigmoid, the l2
 norm, GVA sums, the initial state in its own layout and dtype).
 
@@ -26,8 +27,8 @@ The backward splits the recurrence at 64-token chunks (the layout of the kernels
 
 Steps 2-4 run on the CUDA kernels (:func:`_kernel_backward`, bf16 tensor-core products with fp32
 accumulation) where they serve (sm_90, K = V = 128, log decays within their 16-token span): step 3
-for bf16 / fp16 inputs from the forward kernels run again and ``chunk_state_grad`` on their records
-(:func:`_chunked_boundary_states`), for fp32 inputs from ``chunk_local_grad``'s transitions pass and
+for bf16 / fp16 inputs from the states the forward kept and ``chunk_state_grad`` on its records
+(:func:`_chunked_boundary_states`; without them the forward kernels run again), for fp32 inputs from ``chunk_local_grad``'s transitions pass and
 ``chunk_state_scan``; step 4 is ``chunk_local_grad``'s gradients pass. Else they run in PyTorch (:func:`_torch_backward`,
 fp32, written out with no autograd graph inside). There, within a chunk only ``e^{Γi−Γj}`` for
 ``j <= i`` is formed, each factor at most 1 (see :func:`_decayed_grams`), and the gradient in ``g``
@@ -83,16 +84,18 @@ class ChunkFunction(torch.autograd.Function):
     """``(o, final_state)`` of a chunked prefill, differentiable in every tensor input.
 
     ``forward(ctx, run, options, q, k, v, g, beta, A_log, dt_bias, initial_state)``:
-    ``run(q, k, v, g, beta, A_log, dt_bias, initial_state)`` computes ``(o, final_state or None)``
-    from those tensors without autograd (the CUDA kernels);
+    ``run(q, k, v, g, beta, A_log, dt_bias, initial_state)`` computes ``(o, final_state or None,
+    records or None)`` from those tensors without autograd (the CUDA kernels), ``records`` a
+    :class:`ForwardRecords` that the backward reads instead of running the forward kernels again;
     ``options`` is a :class:`ChunkOptions`.
     """
 
     @staticmethod
     def forward(ctx, run, options: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state):
-        o, ht = run(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        o, ht, records = run(q, k, v, g, beta, A_log, dt_bias, initial_state)
         ctx.options = options
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state,
+                              *(records if records is not None else (None, None)))
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -100,12 +103,41 @@ class ChunkFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         opt = ctx.options
         needs = ctx.needs_input_grad[2:]
-        tensors = ctx.saved_tensors
+        *tensors, states, records = ctx.saved_tensors
         grads = torch.ops.flashkda.chunk_bwd(
-            do, dht, *tensors, opt.cu_seqlens, opt.cu_seqlens_cpu, opt.scale, opt.use_qk_l2norm_in_kernel,
+            do, dht, *tensors, states, records, opt.cu_seqlens, opt.cu_seqlens_cpu, opt.scale,
+            opt.use_qk_l2norm_in_kernel,
             opt.use_gate_in_kernel, opt.lower_bound, opt.use_beta_sigmoid_in_kernel, opt.allow_neg_eigval,
             opt.state_v_first, _needs_mask(needs, tensors))
         return (None, None, *(gr if m else None for gr, m in zip(grads, _needs_flags(needs, tensors))))
+
+
+class ForwardRecords(NamedTuple):
+    """What a chunked forward on the kernels keeps for its backward (:func:`forward_records`)."""
+
+    states: torch.Tensor  # [entries, HV, K, V] bf16: the state at every chunk start, key-first
+    records: torch.Tensor  # [entries * HV * chunk_record_bytes] uint8: chunk_prepare's chunk records
+
+
+def chunk_entries(B: int, T: int, N: int, varlen: bool) -> int:
+    """Entries of the per-chunk tensors of a batch (the states at chunk starts, their gradients, the
+    forward's records): ``B · ceil(T / 64)``, or with ``cu_seqlens`` (N sequences) ``T // 64 + N``, a
+    bound on ``Σ ceil(len / 64)`` known without reading the lengths. Chunk j of sequence n is entry
+    ``Σ_{m<n} ceil(len_m / 64) + j``."""
+    if not varlen:
+        return B * -(-T // _CHUNK)
+    return T // _CHUNK + N if N else 0
+
+
+def forward_records(B: int, T: int, N: int, HV: int, varlen: bool, device) -> Optional[ForwardRecords]:
+    """Fresh :class:`ForwardRecords` for a chunked forward under autograd to fill (``chunk_fwd``'s
+    ``chunk_states`` and ``records``), or None where the backward's kernels do not serve the device
+    (it then runs without them). K = V = 128."""
+    if not _ext.HAS_EXTENSION or _ext.chunk_bwd_shortfall(device.index) is not None:
+        return None
+    entries, K = chunk_entries(B, T, N, varlen), C.CHUNK_HEAD_DIM
+    return ForwardRecords(torch.empty(entries, HV, K, K, dtype=_BOUNDARY_STATE_DTYPE, device=device),
+                          torch.empty(entries * HV * _ext.CHUNK_RECORD_BYTES, dtype=torch.uint8, device=device))
 
 
 def _needs_flags(needs, tensors) -> list:
@@ -123,24 +155,28 @@ def _needs_mask(needs, tensors) -> int:
 def _chunk_bwd_op(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor],
                   dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                  states: Optional[torch.Tensor], records: Optional[torch.Tensor],
                   cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor], scale: float,
                   use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: Optional[float],
                   use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, state_v_first: bool,
                   needs: int) -> List[torch.Tensor]:
     """:func:`chunk_backward` as an op: the gradients of the eight tensor inputs (bit i of ``needs``:
-    input i wants one), an empty tensor for each that gets none."""
+    input i wants one), an empty tensor for each that gets none; ``states`` and ``records``: the
+    forward's :class:`ForwardRecords`, or None."""
     opts = ChunkOptions(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu)
     tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     flags = [bool(needs >> i & 1) for i in range(len(tensors))]
-    grads = chunk_backward(opts, *tensors, do=do, dht=dht, needs_grad=flags)
+    saved = None if records is None else ForwardRecords(states, records)
+    grads = chunk_backward(opts, *tensors, do=do, dht=dht, needs_grad=flags, records=saved)
     # A gradient no input reaches (A_log without the gate in the kernel, say) is zero.
     return [(gr if gr is not None else torch.zeros_like(t)) if f else q.new_empty(0)
             for gr, t, f in zip(grads, tensors, flags)]
 
 
 @_chunk_bwd_op.register_fake
-def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
+def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, states, records, cu_seqlens,
+                    cu_seqlens_cpu, scale,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, state_v_first, needs):
     tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
@@ -435,19 +471,17 @@ def _spans_within(gate: torch.Tensor, span: float) -> bool:
 def _kernel_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ...]:
     """The kernels' chunks, every sequence's consecutive: ``(bos [C] int64, len [C] int32,
     seq_first [N] int64, seq_chunks [N] int32, N, C)``, sequence n's ``seq_chunks[n]`` chunks from
-    ``seq_first[n]``. ``C`` (``B · ceil(T / 64)``, or with ``cu_seqlens`` ``T // 64 + N``, a bound
-    on ``Σ ceil(len / 64)``) is known without reading ``cu_seqlens``: all of it is built on the
-    device, and the chunks past the last sequence's are empty."""
+    ``seq_first[n]``. ``C`` (:func:`chunk_entries`) is known without reading ``cu_seqlens``: all of
+    it is built on the device, and the chunks past the last sequence's are empty."""
     if cu_seqlens is None:
-        N, J = B, -(-T // _CHUNK)
+        N = B
         starts = torch.arange(B, dtype=torch.long, device=device) * T
         lens = torch.full((B,), T, dtype=torch.long, device=device)
-        C = B * J
     else:
         cu = cu_seqlens.to(device, torch.long)
         N = cu.shape[0] - 1
         starts, lens = cu[:-1], cu[1:] - cu[:-1]
-        C = T // _CHUNK + N if N else 0
+    C = chunk_entries(B, T, N, cu_seqlens is not None)
     counts = (lens + _CHUNK - 1) // _CHUNK
     first = torch.cumsum(counts, 0) - counts
     c = torch.arange(C, dtype=torch.long, device=device)
@@ -467,8 +501,8 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
 
     The states at chunk starts and the gradients of the states after chunks come from
-    ``boundary_states(states, dstates)`` (the chunked forward kernels and chunk_state_grad on
-    their records, see :func:`_chunked_boundary_states`; it returns dS0) when given, else from the
+    ``boundary_states(dstates) -> (states, dS0)`` (chunk_state_grad on the chunked forward's
+    records, see :func:`_chunked_boundary_states`) when given, else from the
     per-chunk kernel's state maps (D, B) and Y = Pᵀ dO and two scans over chunks. The per-chunk
     kernel's gradients pass then writes every token's gradients. Nothing is read back to the host
     (the chunk layout is built on the device)."""
@@ -490,8 +524,8 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
         return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
     if boundary_states is not None:
         # Chunk j of sequence n is entry seq_first[n] + j, the forward kernels' dense chunk states.
-        states, nexts = (q32.new_empty(C, HV, K, V, dtype=_BOUNDARY_STATE_DTYPE) for _ in range(2))
-        dS0 = boundary_states(states, nexts)
+        nexts = q32.new_empty(C, HV, K, V, dtype=_BOUNDARY_STATE_DTYPE)
+        states, dS0 = boundary_states(nexts)
     else:
         D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 0)
         (states,) = _ext.chunk_state_scan_op(D, Bm, S0.contiguous(), seq_first, seq_chunks, False)
@@ -499,9 +533,19 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
         nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.contiguous(), seq_first, seq_chunks, True)
         del D, Y
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 1, states, nexts,
-                                                  opts.cu_seqlens is None)  # without cu_seqlens, every token
+                                                  _chunks_cover_every_token(opts, rows))
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),
             db.view(B, T, HV), dS0)
+
+
+def _chunks_cover_every_token(opts: ChunkOptions, rows: int) -> bool:
+    """Whether the sequences cover all ``rows`` tokens (then the gradients pass writes every token's
+    gradients and nothing is zero-filled first): always without ``cu_seqlens``; with them, known from
+    ``cu_seqlens_cpu`` when given (no synchronisation), else assumed not."""
+    if opts.cu_seqlens is None:
+        return True
+    cu = opts.cu_seqlens_cpu
+    return cu is not None and cu.numel() > 1 and int(cu[0]) == 0 and int(cu[-1]) == rows
 
 
 def _l2norm_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
@@ -602,12 +646,13 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.contiguous()
 
 
-def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
-    """``boundary_states(states, dstates) -> dS0`` for :func:`_kernel_backward` on the chunked forward
-    kernels (bf16 / fp16 inputs): the forward again, writing the state at every chunk start, then
-    chunk_state_grad on its records (one op, ``flashkda::chunk_state_grad``; ``flags``: its scale,
-    gate mode, lower bound, l2norm, beta sigmoid, allow_neg_eigval), or None when those kernels do
-    not take the inputs."""
+def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
+                             records: Optional[ForwardRecords]):
+    """``boundary_states(dstates) -> (states, dS0)`` for :func:`_kernel_backward` on the chunked
+    forward kernels (bf16 / fp16 inputs): the states at chunk starts that the forward kept with its
+    ``records``, or, without them, those of the forward run again; then chunk_state_grad on the
+    records (one op, ``flashkda::chunk_state_grad``; ``flags``: its scale, gate mode, lower bound,
+    l2norm, beta sigmoid, allow_neg_eigval). None when those kernels do not take the inputs."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not hasattr(_ext, "chunk_state_grad_op"):
         return None
     if _ext.chunk_smem_shortfall(q.get_device()) is not None:
@@ -617,18 +662,22 @@ def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A
     dO = torch.zeros_like(v) if do is None else do.to(v.dtype)
     cu = None if opts.cu_seqlens is None else opts.cu_seqlens.contiguous()
 
-    def boundary_states(states, dstates):
-        return _ext.chunk_state_grad_op(q, k, v, g, beta, *gate, cu, S0.contiguous(), *flags, dO, dS.contiguous(),
-                                        states, dstates)
+    def boundary_states(dstates):
+        states = torch.empty_like(dstates) if records is None else records.states
+        dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, *gate, cu, S0.contiguous(), *flags, dO, dS.contiguous(),
+                                       states, dstates, None if records is None else records.records)
+        return states, dS0
 
     return boundary_states
 
 
-def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad):
+def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad,
+                   records: Optional[ForwardRecords] = None):
     """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
     (None for an input that needs none), each in its input's shape and dtype, from the gradients
     ``do`` of ``o`` and ``dht`` of the final state (None: zero). The arguments are the call's raw
-    inputs; ``needs_grad`` holds one flag each. No autograd inside: every step is written out."""
+    inputs; ``needs_grad`` holds one flag each; ``records``: what the forward kept, if it ran on the
+    chunked kernels. No autograd inside: every step is written out."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     f32 = torch.float32
@@ -667,7 +716,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     if why is None:
         dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(
             opts, qp, kp, v, gp, bp, S0, dS, do,
-            _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do))
+            _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do, records))
     else:
         _ext.log.debug("flashkda: chunked backward on PyTorch (%s)", why)
         dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do)

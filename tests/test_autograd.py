@@ -33,7 +33,8 @@ def _through_chunk_function(kw, do, dht):
 
     def fn(**call):
         tensors = [call.get(n) for n in NAMES]
-        return ChunkFunction.apply(lambda *t: kda_reference(**dict(call, **dict(zip(NAMES, t)))), opts, *tensors)
+        return ChunkFunction.apply(lambda *t: (*kda_reference(**dict(call, **dict(zip(NAMES, t)))), None), opts,
+                                   *tensors)
 
     return grads_of(fn, kw, do, dht, output_final_state=True)
 
@@ -189,6 +190,30 @@ def test_cuda_grads_match_fp64(case):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("gdn", [False, True], ids=["kda", "gdn"])
+def test_cuda_backward_reads_the_forwards_records(gdn):
+    """The chunked forward under autograd keeps its states at chunk starts and its chunk records;
+    the backward walks them: no forward kernel runs in it (kernel names counted by the profiler),
+    and the gradients match the fp64 oracle (V-first states, varlen)."""
+    kw = make_inputs(H=2, D=128, gdn=gdn, gate="softplus" if gdn else "lower_bound", lens=[100, 1, 37],
+                     state_v_first=True, dtype=torch.bfloat16, device="cuda", seed=5)
+    do, dht = _upstream(kw)
+    leaves = {n: kw[n].detach().clone().requires_grad_() for n in GRAD_INPUTS if kw.get(n) is not None}
+    o, ht = public_fn("chunk", gdn)(**dict(kw, **leaves), output_final_state=True)
+    cuda_kind = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[cuda_kind]) as prof:
+        got = torch.autograd.grad([o, ht], list(leaves.values()), [do, dht])
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("chunk_state_grad_kernel" in n for n in kernels) and any("chunk_local_grad_kernel" in n for n in kernels)
+    ran_forward = [n for n in kernels if "chunk_prepare_kernel" in n or "chunk_recurrence_kernel" in n]
+    assert not ran_forward, f"the backward ran the forward kernels again: {ran_forward[:2]}"
+    found = dict(zip(leaves, got))
+    _check_grads([found.get(n) for n in NAMES], grads64(kw, do, dht), CUDA_TOL[torch.bfloat16], "records")
+
+
+@cuda
+@pytest.mark.cuda
 def test_cuda_fast_entry_declines_grad(monkeypatch):
     """The eager C++ entries decline inputs that require grad (the general path records the graph
     or raises); a call without grad still takes them."""
@@ -253,8 +278,9 @@ def test_chunk_backward_one_input_requires_grad(name):
     opts = ChunkOptions(32 ** -0.5, True, True, -5.0, True, False, False, None, None)
     leaf = kw[name].detach().clone().requires_grad_()
     call = dict(kw, **{name: leaf})
-    o, ht = ChunkFunction.apply(lambda *t: kda_reference(**dict(call, **dict(zip(NAMES, t))), output_final_state=True),
-                                opts, *[call.get(n) for n in NAMES])
+    o, ht = ChunkFunction.apply(
+        lambda *t: (*kda_reference(**dict(call, **dict(zip(NAMES, t))), output_final_state=True), None), opts,
+        *[call.get(n) for n in NAMES])
     (got,) = torch.autograd.grad([t for t in (o, ht) if t.requires_grad],
                                  [leaf], [u for t, u in ((o, do), (ht, dht)) if t.requires_grad])
     assert rel_err(got, ref) <= 2e-5
@@ -283,8 +309,8 @@ def test_backward_op_passes_opcheck():
 
     kw = make_inputs(lens=[70, 0, 5], H=2, HV=4, D=16, gate="softplus", seed=21)
     do, dht = _upstream(kw)
-    args = (do, dht, *[kw.get(n) for n in NAMES], kw["cu_seqlens"], None, 0.25, True, True, None, True, False,
-            False, 0b11111111)
+    args = (do, dht, *[kw.get(n) for n in NAMES], None, None, kw["cu_seqlens"], None, 0.25, True, True, None, True,
+            False, False, 0b11111111)
     torch.library.opcheck(torch.ops.flashkda.chunk_bwd.default, args)
 
 
@@ -349,9 +375,10 @@ def test_chunk_function_traces_fullgraph():
 
     def fn(q, k, v, g, beta, A_log, dt_bias, initial_state):
         def run(q, k, v, g, beta, A_log, dt_bias, initial_state):
-            return kda_reference(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
-                                 output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                 lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, scale=opts.scale)
+            o, ht = kda_reference(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                  lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, scale=opts.scale)
+            return o, ht, None
 
         return ChunkFunction.apply(run, opts, q, k, v, g, beta, A_log, dt_bias, initial_state)
 

@@ -133,12 +133,12 @@ KERNEL_GLUE_CASES = {
 }
 
 
-def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do):
+def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do, records):
     """What ``ag._chunked_boundary_states`` hands the backward, from the references: the chunk maps
     of the preprocessed inputs and both scans, in the backward's chunk layout (the forward kernels'
     dense chunk states)."""
 
-    def boundary_states(states_pool, dstates_pool):
+    def boundary_states(dstates_pool):
         qp, kp, gp, bp = token_inputs_reference(q, k, v, g, beta, gate_A, gate_dt, *flags)
         B, T, HV, K = qp.shape
         rows = B * T
@@ -149,9 +149,8 @@ def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0
         maps, offsets, Y = local_grad_reference(*flat, bp.reshape(rows, HV).to(f32), dO, bos, length, 0)
         (states,) = state_scan_reference(maps, offsets, S0, first, count, False)
         nexts, dS0 = state_scan_reference(maps, Y, dS, first, count, True)
-        states_pool.copy_(states)
         dstates_pool.copy_(nexts)
-        return dS0
+        return states.to(dstates_pool.dtype), dS0
 
     return boundary_states
 
@@ -353,12 +352,14 @@ STATE_GRAD_CASES = {
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("kept", [False, True], ids=["forward_again", "kept_records"])
 @pytest.mark.parametrize("case", list(STATE_GRAD_CASES))
-def test_chunk_state_grad_matches_reference(case):
+def test_chunk_state_grad_matches_reference(case, kept):
     """``chunk_state_grad`` (the forward kernels' states at chunk starts, then the backward walk on
-    their records) against fp64 scans of the chunk maps from the preprocessed inputs: the states,
-    the gradients of the states after every chunk and the initial state's gradient, in the
-    backward's chunk layout (pools poisoned with NaN; entries of no chunk are not compared)."""
+    their records; ``kept``: on the states and records of an earlier ``chunk_fwd``, with no forward
+    again) against fp64 scans of the chunk maps from the preprocessed inputs: the states, the
+    gradients of the states after every chunk and the initial state's gradient, in the backward's
+    chunk layout (pools and records poisoned with NaN; entries of no chunk are not compared)."""
     kw = make_inputs(D=128, device="cuda", seed=17, **STATE_GRAD_CASES[case])
     q, k, v, g, beta = (kw[n] for n in ("q", "k", "v", "g", "beta"))
     B, T, HV, K = v.shape
@@ -374,7 +375,12 @@ def test_chunk_state_grad_matches_reference(case):
     bos, length, first, count, N, chunks = ag._kernel_chunks(B, T, cu, "cuda")
     states, nexts = (torch.full((chunks, HV, K, K), float("nan"), device="cuda", dtype=ag._BOUNDARY_STATE_DTYPE)
                      for _ in range(2))
-    dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, *flags, do, dht, states, nexts)
+    records = None
+    if kept:
+        records = torch.full((chunks * HV * _ext.CHUNK_RECORD_BYTES,), 0xFF, dtype=torch.uint8, device="cuda")
+        _ext.chunk_fwd_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, None, torch.empty_like(v), *flags, False, 0, -1,
+                          states, None, None, None, records)
+    dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, *flags, do, dht, states, nexts, records)
 
     qp, kp, gp, bp = (x.double().cpu() for x in token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags))
     rows = B * T

@@ -166,14 +166,16 @@ std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tenso
 // chunk into the same entry of `dstates`. Returns the initial state's gradient [N, HV, D, D] fp32.
 // The token inputs and options are chunk_fwd's; initial_state and dht key-first fp32 [N, HV, D, D];
 // states and dstates key-first contiguous [entries, HV, D, D] of one dtype, fp32 or bf16 (entries
-// past the last chunk are not written); dO [B, T, HV, D] in q's dtype.
+// past the last chunk are not written); dO [B, T, HV, D] in q's dtype. With `records` (chunk_fwd's,
+// from a forward of the same inputs that wrote `states` key-first), that forward does not run
+// again: chunk_state_grad walks its records.
 at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                             const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
                             const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
                             const std::optional<at::Tensor>& initial_state, double scale, int64_t gate_mode,
                             double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval,
                             const at::Tensor& dO_in, const at::Tensor& dht, const at::Tensor& states,
-                            const at::Tensor& dstates) {
+                            const at::Tensor& dstates, const std::optional<at::Tensor>& records) {
   TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
   const at::Tensor dO = rows16(dO_in);
   check_cuda(dO, q, "dO");
@@ -184,11 +186,13 @@ at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::
                 name, " must be contiguous float32 or bfloat16");
   TORCH_CHECK(dstates.sizes() == states.sizes() && dstates.scalar_type() == states.scalar_type(),
               "flashkda: dstates must have the shape and dtype of states");
-  const at::Tensor o = at::empty_like(v, at::MemoryFormat::Contiguous);
+  // On saved records nothing writes o (v stands in for it).
+  const at::Tensor o = records.has_value() ? v : at::empty_like(v, at::MemoryFormat::Contiguous);
   ChunkForwardRun run;
   chunk_fwd_impl(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, std::nullopt, o, scale, gate_mode,
                  lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, /*state_v_first=*/false, /*value_split=*/0,
-                 /*segment_chunks=*/-1, states, std::nullopt, std::nullopt, std::nullopt, /*checked=*/false, &run);
+                 /*segment_chunks=*/-1, states, std::nullopt, std::nullopt, std::nullopt, records, /*checked=*/false,
+                 &run, records.has_value() ? ChunkLaunch::kIndexOnly : ChunkLaunch::kForward);
   ChunkParams p = run.params;
   const int64_t D = chunk::kHeadDim;
   check_cuda(dht, q, "dht");

@@ -99,13 +99,16 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
                double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first,
                int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                const std::optional<at::Tensor>& chunk_state_slots, const std::optional<at::Tensor>& ssm_state_indices,
-               const std::optional<at::Tensor>& has_initial_state);
-// What a chunked forward left behind: its plan and its workspace (the records), for a pass that
-// reads them after it on the same stream (chunk_state_grad).
+               const std::optional<at::Tensor>& has_initial_state, const std::optional<at::Tensor>& records);
+// What a chunked forward left behind: its plan and its workspace (the records unless they went to
+// `records`), for a pass that reads them after it on the same stream (chunk_state_grad).
 struct ChunkForwardRun {
   ChunkParams params;
   at::Tensor workspace;
 };
+// What chunk_fwd_impl launches: the forward, or, on the records an earlier forward of the same
+// inputs left in `records`, only the varlen index that addresses them (a backward's plan).
+enum class ChunkLaunch { kForward, kIndexOnly };
 void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                     const at::Tensor& beta, const std::optional<at::Tensor>& A_log,
                     const std::optional<at::Tensor>& dt_bias, const std::optional<at::Tensor>& cu_seqlens,
@@ -115,8 +118,9 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
                     int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                     const std::optional<at::Tensor>& chunk_state_slots,
                     const std::optional<at::Tensor>& ssm_state_indices,
-                    const std::optional<at::Tensor>& has_initial_state, bool checked,
-                    ChunkForwardRun* run = nullptr);
+                    const std::optional<at::Tensor>& has_initial_state,
+                    const std::optional<at::Tensor>& records, bool checked, ChunkForwardRun* run = nullptr,
+                    ChunkLaunch launch = ChunkLaunch::kForward);
 
 
 // The chunked backward's kernel passes (backward.cpp).
@@ -133,7 +137,7 @@ at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& initial_state, double scale, int64_t gate_mode,
                             double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval,
                             const at::Tensor& dO, const at::Tensor& dht, const at::Tensor& states,
-                            const at::Tensor& dstates);
+                            const at::Tensor& dstates, const std::optional<at::Tensor>& records);
 std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,

@@ -438,7 +438,7 @@ PyObject* chunk(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
                    serving ? optional_of(c.initial_state) : optional_of(new_state ? &state_new : nullptr), o, c.scale,
                    int64_t(c.gate_mode), c.lower_bound, c.l2norm, c.beta_sigmoid, c.allow_neg_eigval,
                    c.state_v_first, value_split, segment_chunks, std::nullopt, std::nullopt, optional_of(c.indices),
-                   optional_of(c.has_initial_state), /*checked=*/true);
+                   optional_of(c.has_initial_state), /*records=*/std::nullopt, /*checked=*/true);
     return pair(THPVariable_Wrap(std::move(o)), serving     ? new_ref(args[kInitialState])
                                                 : new_state ? THPVariable_Wrap(std::move(state_new))
                                                             : new_ref(Py_None));

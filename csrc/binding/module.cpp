@@ -25,7 +25,8 @@ TORCH_LIBRARY(flashkda, m) {
       "Tensor? cu_seqlens, Tensor? initial_state, Tensor(a!)? final_state, Tensor(b!) o, float scale, "
       "int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, "
       "bool state_v_first, int value_split, int segment_chunks, Tensor(c!)? chunk_states=None, "
-      "Tensor? chunk_state_slots=None, Tensor? ssm_state_indices=None, Tensor? has_initial_state=None) -> ()");
+      "Tensor? chunk_state_slots=None, Tensor? ssm_state_indices=None, Tensor? has_initial_state=None, "
+      "Tensor(d!)? records=None) -> ()");
   m.def(
       "chunk_local_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor dO, Tensor chunk_bos, "
       "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None, bool every_token=False) -> Tensor[]");
@@ -35,8 +36,8 @@ TORCH_LIBRARY(flashkda, m) {
   m.def(
       "chunk_state_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? cu_seqlens, Tensor? initial_state, float scale, int gate_mode, float lower_bound, bool l2norm, "
-      "bool beta_sigmoid, bool allow_neg_eigval, Tensor dO, Tensor dht, Tensor(a!) states, Tensor(b!) dstates) "
-      "-> Tensor");
+      "bool beta_sigmoid, bool allow_neg_eigval, Tensor dO, Tensor dht, Tensor(a!) states, Tensor(b!) dstates, "
+      "Tensor? records=None) -> Tensor");
   m.def(
       "chunk_bwd_inputs(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "float scale, int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) "
@@ -70,6 +71,8 @@ PYBIND11_MODULE(_C, m) {
         "why CUDA device `device` cannot run this build's kernels, or None (asked once per device)");
   m.def("chunk_smem_bytes", &flashkda::chunk_smem_bytes,
         "dynamic shared memory per block (bytes) that the chunked kernels need (no CUDA call)");
+  m.def("chunk_record_bytes", [] { return flashkda::chunk::WorkspaceLayout::kRecordBytes; },
+        "bytes of one chunk record (per chunk entry and value head) that chunk_fwd's `records` holds");
   m.def("chunk_local_grad_smem_bytes", &flashkda::chunk_local_grad_smem_bytes,
         "dynamic shared memory per block (bytes) of the chunked backward's kernel (no CUDA call)");
   m.def("chunk_bwd_max_subchunk_span", [] { return double(flashkda::kBwdMaxSubchunkSpan); },

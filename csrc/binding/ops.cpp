@@ -75,7 +75,9 @@ void recurrent_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 // (value_split and segment_chunks as plan_chunk takes them); the workspace comes from PyTorch's
 // caching allocator, so under CUDA-graph capture it lives in the graph's private pool. Serving mode
 // (ssm_state_indices [N] given): `initial_state` is None and `final_state` is the slot pool, read at
-// idx[n] (zeros where has_initial_state[n] is false) and written there in place.
+// idx[n] (zeros where has_initial_state[n] is false) and written there in place. `records` (any
+// dtype, contiguous, at least [chunk entries, HV] records of chunk_record_bytes): chunk_prepare's
+// records go there instead of the temporary workspace, kept for chunk_state_grad.
 void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& g_in,
                const at::Tensor& beta, const std::optional<at::Tensor>& A_log, const std::optional<at::Tensor>& dt_bias,
                const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& initial_state,
@@ -83,10 +85,10 @@ void chunk_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
                double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, bool state_v_first,
                int64_t value_split, int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                const std::optional<at::Tensor>& chunk_state_slots, const std::optional<at::Tensor>& ssm_state_indices,
-               const std::optional<at::Tensor>& has_initial_state) {
+               const std::optional<at::Tensor>& has_initial_state, const std::optional<at::Tensor>& records) {
   chunk_fwd_impl(q_in, k_in, v_in, g_in, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
                  gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, value_split,
-                 segment_chunks, chunk_states, chunk_state_slots, ssm_state_indices, has_initial_state,
+                 segment_chunks, chunk_states, chunk_state_slots, ssm_state_indices, has_initial_state, records,
                  /*checked=*/false);
 }
 
@@ -101,7 +103,8 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
                     int64_t segment_chunks, const std::optional<at::Tensor>& chunk_states,
                     const std::optional<at::Tensor>& chunk_state_slots,
                     const std::optional<at::Tensor>& ssm_state_indices,
-                    const std::optional<at::Tensor>& has_initial_state, bool checked, ChunkForwardRun* run) {
+                    const std::optional<at::Tensor>& has_initial_state, const std::optional<at::Tensor>& records,
+                    bool checked, ChunkForwardRun* run, ChunkLaunch launch) {
   const at::Tensor q = rows16(q_in), k = rows16(k_in), v = rows16(v_in);
   const at::Tensor g = g_in.dim() == 4 ? rows16(g_in) : g_in;  // the scalar gate is read element by element
   if (!checked) {
@@ -177,11 +180,23 @@ void chunk_fwd_impl(const at::Tensor& q_in, const at::Tensor& k_in, const at::Te
   ChunkWorkspace ws;
   const std::string why = plan_chunk(p, value_split, segment_chunks, ws);
   TORCH_CHECK(why.empty(), "flashkda: ", why);
-  const at::Tensor workspace = at::empty({ws.total()}, q.options().dtype(at::kByte));
-  carve_chunk_workspace(p, ws, workspace.data_ptr());
+  if (records.has_value()) {
+    check_cuda(*records, q, "records");
+    TORCH_CHECK(records->is_contiguous() && reinterpret_cast<uintptr_t>(records->data_ptr()) % 16 == 0 &&
+                    int64_t(records->nbytes()) >= ws.record_bytes,
+                "flashkda: records must be a contiguous, 16-byte aligned tensor of at least ", ws.record_bytes,
+                " bytes");
+  }
+  TORCH_CHECK(launch == ChunkLaunch::kForward || records.has_value(), "flashkda: an index-only launch needs records");
+  const at::Tensor workspace = at::empty({ws.total(records.has_value())}, q.options().dtype(at::kByte));
+  carve_chunk_workspace(p, ws, workspace.data_ptr(), records.has_value() ? records->data_ptr() : nullptr);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t err = q.scalar_type() == at::kBFloat16 ? run_chunk_forward<__nv_bfloat16>(p, stream)
-                                                           : run_chunk_forward<__half>(p, stream);
+  cudaError_t err = cudaSuccess;
+  if (launch == ChunkLaunch::kForward)
+    err = q.scalar_type() == at::kBFloat16 ? run_chunk_forward<__nv_bfloat16>(p, stream)
+                                           : run_chunk_forward<__half>(p, stream);
+  else if (p.cu_seqlens != nullptr)
+    err = run_chunk_index(p, stream);
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked kernel launch failed: ", cudaGetErrorString(err));
   if (run != nullptr) *run = ChunkForwardRun{p, workspace};
 }

@@ -23,7 +23,11 @@ namespace flashkda {
 // (ordered_spans as int4, slot_chunks as int64, chunk_offsets as int32), each part 16-byte aligned.
 struct ChunkWorkspace {
   int64_t record_bytes = 0, segment_bytes = 0, order_bytes = 0, slot_bytes = 0, offset_bytes = 0;
-  int64_t total() const { return record_bytes + segment_bytes + order_bytes + slot_bytes + offset_bytes; }
+  // Bytes to allocate: every part, or every part but the records when the caller keeps them in
+  // memory of its own (carve_chunk_workspace's `records`, e.g. for a backward that reads them).
+  int64_t total(bool records_elsewhere = false) const {
+    return (records_elsewhere ? 0 : record_bytes) + segment_bytes + order_bytes + slot_bytes + offset_bytes;
+  }
 };
 
 // Chunks per segment for few long chains, or 0 for whole chains. chunk_recurrence holds one block
@@ -108,13 +112,15 @@ inline std::string plan_chunk(ChunkParams& p, int64_t value_split, int64_t segme
 }
 
 // Points the workspace fields of `p` at the parts of `base` (device memory of ws.total() bytes,
-// 16-byte aligned).
-inline void carve_chunk_workspace(ChunkParams& p, const ChunkWorkspace& ws, void* base) {
+// 16-byte aligned), or, with `records` (ws.record_bytes bytes, 16-byte aligned), the records there
+// and the other parts at `base` (ws.total(true) bytes).
+inline void carve_chunk_workspace(ChunkParams& p, const ChunkWorkspace& ws, void* base, void* records = nullptr) {
   uint8_t* const bytes = static_cast<uint8_t*>(base);
-  p.workspace = bytes;
-  p.seg_states = ws.segment_bytes > 0 ? reinterpret_cast<float*>(bytes + ws.record_bytes) : nullptr;
+  const int64_t rest = records != nullptr ? 0 : ws.record_bytes;  // where the parts after the records start
+  p.workspace = records != nullptr ? records : bytes;
+  p.seg_states = ws.segment_bytes > 0 ? reinterpret_cast<float*>(bytes + rest) : nullptr;
   if (p.cu_seqlens != nullptr) {
-    uint8_t* const index = bytes + ws.record_bytes + ws.segment_bytes;
+    uint8_t* const index = bytes + rest + ws.segment_bytes;
     p.ordered_spans = reinterpret_cast<int32_t*>(index);
     p.slot_chunks = reinterpret_cast<int64_t*>(index + ws.order_bytes);
     p.chunk_offsets = reinterpret_cast<int32_t*>(index + ws.order_bytes + ws.slot_bytes);
