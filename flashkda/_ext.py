@@ -205,11 +205,18 @@ if HAS_EXTENSION:
     #: Bytes of one chunk record (per chunk entry and value head) that a forward keeps for its backward.
     CHUNK_RECORD_BYTES = _C.chunk_record_bytes()
 
+    _chunk_bwd_shortfall: dict = {}
+
+    @torch.compiler.assume_constant_result
     def chunk_bwd_shortfall(index: int):
         """Why CUDA device ``index`` cannot run the chunked backward's kernel (it needs more shared
-        memory per block than sm_80 has), or None."""
-        have, need = smem_per_block_optin(index) or 0, _C.chunk_local_grad_smem_bytes()
-        return None if have >= need else f"{have} bytes of shared memory per block (the backward's kernel: {need})"
+        memory per block than sm_80 has), or None; asked once per device (traced training calls
+        read it)."""
+        if index not in _chunk_bwd_shortfall:
+            have, need = smem_per_block_optin(index) or 0, _C.chunk_local_grad_smem_bytes()
+            _chunk_bwd_shortfall[index] = (
+                None if have >= need else f"{have} bytes of shared memory per block (the backward's kernel: {need})")
+        return _chunk_bwd_shortfall[index]
 
     @torch.library.register_fake("flashkda::chunk_fwd")
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
