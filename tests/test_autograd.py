@@ -198,7 +198,7 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
     gradients agree (V-first states, varlen with a one-token sequence)."""
     import flashkda.api
 
-    kw = make_inputs(H=4, D=128, gdn=gdn, gate="softplus" if gdn else "lower_bound", lens=[100, 1, 37],
+    kw = make_inputs(H=4, D=128, gdn=gdn, gate="precomputed" if gdn else "lower_bound", lens=[100, 1, 37],
                      state_v_first=True, dtype=torch.bfloat16, device="cuda", seed=5)
     do, dht = _upstream(kw)
     fn = public_fn("chunk", gdn)
