@@ -604,7 +604,7 @@ def test_chunk_smem_shortfall(monkeypatch):
     for have, fits in ((227 * 1024, True), (need, True), (need - 1, False), (99 * 1024, False)):
         props = types.SimpleNamespace(shared_memory_per_block_optin=have)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, props=props: props)
-        for cache in ("_smem_optin", "_chunk_smem_shortfall"):  # the real caches stay untouched
+        for cache in ("_smem_optin", "_chunk_smem_shortfall", "_chunk_bwd_shortfall"):  # real caches untouched
             monkeypatch.setattr(_ext, cache, {})
         reason = _ext.chunk_smem_shortfall(0)
         assert (reason is None) == fits, (have, reason)
