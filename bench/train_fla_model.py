@@ -4,8 +4,9 @@
 
 Model: fla.models.KDAForCausalLM from KDAConfig (hidden 2048, 16 heads of 128, --layers layers,
 vocabulary 8192), random weights from seed 0, bf16 parameters trained by AdamW (lr 3e-4), no code
-change between runs: FLA's registry picks flashkda (FLASHKDA_FLA_BACKEND=1, with
-FLASHKDA_FLA_TRAINING=1 for calls under autograd) or its own kernels (=0). Data: packed varlen
+change between runs: FLA's registry picks flashkda (FLASHKDA_FLA_BACKEND=1; calls under autograd
+with a lower-bound gate by default, with the softplus gate FLASHKDA_FLA_TRAINING=1, set here) or its
+own kernels (=0). Data: packed varlen
 batches of 8 sequences x 2048 tokens (cu_seqlens), each sequence a random block of 8-64 tokens
 repeated (learnable by the recurrence), next-token cross entropy.
 
@@ -125,7 +126,8 @@ def main():
     ap.add_argument("--gate", choices=list(GATES), default="lower_bound")
     args = ap.parse_args()
     common.RESULTS_PATH = args.json
-    os.environ[integ.TRAINING_ENV_VAR] = "1"  # the backend serves calls under autograd
+    if args.gate != "lower_bound":  # by default the backend serves training calls of bounded gates only
+        os.environ[integ.TRAINING_ENV_VAR] = "1"
     if not integ.is_registered() and not integ.register():
         print("WARNING: flashkda is NOT registered as an FLA backend: both rows run FLA's kernels.")
     runs = {"fla": train("0", 0, args.steps, args.layers, args.gate),

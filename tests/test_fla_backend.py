@@ -117,16 +117,30 @@ def test_verifiers_reject_cpu_tensors():
 
 
 def test_verifiers_under_autograd(monkeypatch):
-    """Training calls of the chunked entries are flashkda's with FLASHKDA_FLA_TRAINING=1 (only the
-    device is wrong here), FLA's without; decode under autograd and FLA's inference-only
+    """Training calls of the chunked entries: by default flashkda's for a lower-bound gate (only the
+    device is wrong here), FLA's for an unbounded gate, GDN and under a context; all flashkda's with
+    FLASHKDA_FLA_TRAINING=1, none with =0; decode under autograd and FLA's inference-only
     intermediate states never."""
     kw = _inputs(D=128)
     kw["q"].requires_grad_(True)
-    ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
-    assert not ok and integ.TRAINING_ENV_VAR in reason
-    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "1")
+    softplus = {**GATE, "lower_bound": None}
+    gdn = {**_gdn(_inputs(D=128)), **GDN_LAYER}
+    gdn["v"].requires_grad_(True)
+    monkeypatch.delenv(integ.TRAINING_ENV_VAR, raising=False)
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
     assert not ok and "grad" not in reason and "cpu" in reason
+    for verifier, call in ((integ.chunk_kda_verifier, {**kw, **softplus}),
+                           (integ.chunk_gated_delta_rule_verifier, gdn)):
+        ok, reason = verifier(**call)
+        assert not ok and "requires grad" in reason and integ.TRAINING_ENV_VAR in reason, reason
+    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "0")
+    ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
+    assert not ok and f"{integ.TRAINING_ENV_VAR}=0" in reason
+    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "1")
+    for verifier, call in ((integ.chunk_kda_verifier, {**kw, **GATE}), (integ.chunk_kda_verifier, {**kw, **softplus}),
+                           (integ.chunk_gated_delta_rule_verifier, gdn)):
+        ok, reason = verifier(**call)
+        assert not ok and "grad" not in reason and "cpu" in reason, reason
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE, return_intermediate_states=True)
     assert not ok and "requires grad" in reason
     one = _inputs(B=1, D=128)
@@ -136,6 +150,9 @@ def test_verifiers_under_autograd(monkeypatch):
                     is_first_rank=True, is_last_rank=True)
     ok, reason = integ.chunk_kda_verifier(**{**one, "initial_state": None}, **GATE, cp_context=ctx)
     assert not ok and reason == "flashkda: inputs are on cpu"  # training under a context is served
+    monkeypatch.delenv(integ.TRAINING_ENV_VAR)
+    ok, reason = integ.chunk_kda_verifier(**{**one, "initial_state": None}, **GATE, cp_context=ctx)
+    assert not ok and "context parallelism" in reason  # by default FLA's
     ok, reason = integ.fused_recurrent_kda_fwd_verifier(**kw, **GATE, inplace_final_state=False)
     assert not ok and "grad" in reason
     with torch.no_grad():
@@ -492,9 +509,9 @@ def test_gpu_unsupported_falls_back_to_fla(kernel_calls):
 
 @cuda
 def test_gpu_training_call_served(kernel_calls, monkeypatch):
-    """With FLASHKDA_FLA_TRAINING=1 a chunk_kda call that requires grad runs flashkda's kernels and
-    records flashkda's backward."""
-    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "1")
+    """By default a chunk_kda call with a lower-bound gate that requires grad runs flashkda's kernels
+    and records flashkda's backward."""
+    monkeypatch.delenv(integ.TRAINING_ENV_VAR, raising=False)
     n = len(kernel_calls)
     kw = _inputs(B=1, T=64, H=2, HV=2, D=128, device="cuda")
     kw["q"].requires_grad_(True)

@@ -127,7 +127,7 @@ def test_model_prefill_and_generate_served_and_accurate(monkeypatch, gate):
 def test_model_trains_on_flashkda(monkeypatch):
     """bench/train_fla_model.py's runs: FLA's KDAForCausalLM (4 layers, hidden 2048, 16 heads x 128,
     packed 8 x 2048 tokens, 30 AdamW steps on bf16) trained with FLA's kernels (two data orders) and
-    through flashkda's backend from the same seed: every KDA call of a profiled step runs flashkda's
+    through flashkda's backend from the same seed, with no switch set: every KDA call of a profiled step runs flashkda's
     kernels and none of FLA's, and the final loss is within FLA's own spread over data orders."""
     import sys
     from pathlib import Path
@@ -135,7 +135,7 @@ def test_model_trains_on_flashkda(monkeypatch):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from train_fla_model import train
 
-    monkeypatch.setenv(integ.TRAINING_ENV_VAR, "1")
+    monkeypatch.delenv(integ.TRAINING_ENV_VAR, raising=False)  # served by default: a lower-bound gate
     fla0, fla1 = train("0", 0, 30, 4, "lower_bound"), train("0", 1, 30, 4, "lower_bound")
     ours = train("1", 0, 30, 4, "lower_bound")
     assert fla0["calls_served"] == 0 and fla0["fla_kda_kernels"] > 0

@@ -14,7 +14,8 @@ does. :func:`register` adds a backend named ``"flashkda"`` for
 Its priority (:data:`PRIORITY`) puts it ahead of FLA's built-in backends, including FLA's own
 ``flash_kda`` and ``flash_qla`` adapters. The verifiers accept exactly the calls that flashkda's CUDA
 kernels serve with FLA's semantics, context parallelism (``cp_context``) included, and training
-calls of the chunked entries with ``FLASHKDA_FLA_TRAINING=1``; everything else (CPU tensors, head
+calls of the chunked entries where flashkda's backward is measured faster than FLA's
+(:func:`_training_reason`; ``FLASHKDA_FLA_TRAINING`` widens or closes that); everything else (CPU tensors, head
 dims other than 64/128, float64, decode under autograd, ...) is rejected
 with a reason, logged once by FLA at INFO level, and runs FLA's Triton code as before. The decode
 entry registers no verifier, to keep FLA's per-call cost low: its implementation sends the calls
@@ -82,9 +83,9 @@ __all__ = [
 BACKEND_TYPE = "flashkda"
 #: ``FLASHKDA_FLA_BACKEND=0`` disables the backend.
 ENV_VAR = "FLASHKDA_FLA_BACKEND"
-#: ``FLASHKDA_FLA_TRAINING=1`` (read at call time) lets the chunked entries serve calls under
-#: autograd too. Off by default: flashkda's backward (PyTorch ops) is slower than FLA's Triton
-#: backward, so a model trained through FLA keeps FLA's kernels unless asked.
+#: Calls under autograd (read at call time): ``FLASHKDA_FLA_TRAINING=1`` serves every one the chunked
+#: entries take, ``=0`` none; unset, those whose backward runs on flashkda's CUDA kernels with no
+#: look at the data, measured faster than FLA's (:func:`_training_reason`).
 TRAINING_ENV_VAR = "FLASHKDA_FLA_TRAINING"
 #: FLA tries lower priorities first; its built-ins use 0 (Ascend NPU), 3 (flash_kda) and 5 (default).
 PRIORITY = -10
@@ -126,15 +127,48 @@ def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, 
     return _kernel_unsupported(p, q, g, beta, initial_state, A_log, dt_bias)
 
 
-def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes,
-                          state_v_first) -> Tuple[Optional[str], bool]:
-    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: autograd (served only with
-    ``FLASHKDA_FLA_TRAINING=1``, context parallelism included), their ``**kwargs``,
-    ``chunk_size`` and the deprecated layout name. Returns the reason (None: none of them rejects
-    the call) and the state layout."""
-    if _api._needs_grad(*tensors) and os.environ.get(TRAINING_ENV_VAR, "0").strip() != "1":
-        return (f"an input requires grad: flashkda's backward is slower than FLA's ({TRAINING_ENV_VAR}=1 "
-                "serves training calls)"), state_v_first
+def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Optional[str]:
+    """Why a call with an input that requires grad under autograd stays FLA's, or None (also for a
+    call without one). ``FLASHKDA_FLA_TRAINING=1``: none; ``=0``: every one. Unset: flashkda takes
+    the calls whose backward runs on its CUDA kernels with no look at the data (a chunk_kda gate
+    with a lower bound, bf16 / fp16 inputs, a device that runs the backward's kernels, no context
+    parallelism), 0.55-0.63x FLA's forward + backward time on the H200 (BENCHMARK_H200.md,
+    "Training"); the others (GDN, unbounded gates, whose backward reads the gate back) are not
+    measured faster than FLA's."""
+    q = tensors[0]
+    if not _api._needs_grad(*tensors):
+        return None
+    mode = os.environ.get(TRAINING_ENV_VAR, "").strip()
+    if mode == "1":
+        return None
+    why = f"{TRAINING_ENV_VAR}=0" if mode == "0" else None
+    if why is None and scalar_gate:
+        why = "flashkda's GDN backward is not measured faster than FLA's"
+    if why is None and lower_bound is None:
+        why = "without a lower-bound gate flashkda's backward reads the gate back and is not measured faster"
+    if why is None and cp_context is not None:
+        why = "context parallelism under autograd is not measured faster than FLA's"
+    if why is None and q.dtype not in (torch.bfloat16, torch.float16):
+        why = f"{q.dtype} inputs (flashkda's measured backward: bfloat16 / float16)"
+    if why is None and q.is_cuda and _ext.HAS_EXTENSION:
+        short = _ext.chunk_bwd_shortfall(q.get_device())
+        if short is None and -lower_bound * 16 > _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN:
+            short = f"lower_bound={lower_bound} (16 tokens may decay beyond the kernels' span)"
+        if short is not None:
+            why = f"flashkda's backward kernels do not serve it: {short}"
+    if why is None:
+        return None
+    return f"an input requires grad: {why} ({TRAINING_ENV_VAR}=1 serves training calls)"
+
+
+def _chunk_options_reason(tensors, cp_context, kwargs, known_kwargs, chunk_sizes, state_v_first,
+                          training_reason: Optional[str]) -> Tuple[Optional[str], bool]:
+    """The rules that FLA's chunk_kda and chunk_gated_delta_rule share: autograd
+    (``training_reason``, :func:`_training_reason`), their ``**kwargs``, ``chunk_size`` and the
+    deprecated layout name. Returns the reason (None: none of them rejects the call) and the state
+    layout."""
+    if training_reason is not None:
+        return training_reason, state_v_first
     unknown = sorted(set(kwargs) - known_kwargs)
     if unknown:
         return f"keyword arguments {unknown} are not supported", state_v_first
@@ -164,8 +198,10 @@ def _chunk_kda_reason(q, k, v, g, beta, scale=None, initial_state=None, output_f
     if not isinstance(q, torch.Tensor):
         return f"q must be a torch.Tensor, got {type(q).__name__}"
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
-    reason, state_v_first = _chunk_options_reason((q, k, v, g, beta, initial_state, A_log, dt_bias), cp_context,
-                                                  kwargs, _CHUNK_KWARGS, _api._KDA_CHUNK_SIZES, state_v_first)
+    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    training = _training_reason(tensors, cp_context, lower_bound if use_gate_in_kernel else None, False)
+    reason, state_v_first = _chunk_options_reason(tensors, cp_context, kwargs, _CHUNK_KWARGS, _api._KDA_CHUNK_SIZES,
+                                                  state_v_first, training)
     if reason is not None:
         return reason
     if cp_context is not None:
@@ -200,8 +236,10 @@ def _chunk_gated_delta_rule_reason(q, k, v, g, beta, scale=None, initial_state=N
         return f"q must be a torch.Tensor, got {type(q).__name__}"
     use_gate_in_kernel = bool(kwargs.get("use_gate_in_kernel", False))
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
-    reason, state_v_first = _chunk_options_reason((q, k, v, g, beta, initial_state, A_log, dt_bias), cp_context,
-                                                  kwargs, _GDN_CHUNK_KWARGS, _api._GDN_CHUNK_SIZES, state_v_first)
+    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    reason, state_v_first = _chunk_options_reason(tensors, cp_context, kwargs, _GDN_CHUNK_KWARGS,
+                                                  _api._GDN_CHUNK_SIZES, state_v_first,
+                                                  _training_reason(tensors, cp_context, None, True))
     if reason is not None:
         return reason
     if cp_context is not None:
