@@ -20,7 +20,7 @@ import torch
 from flashkda import _constants as C
 from flashkda import _ext
 from flashkda._ext import log
-from flashkda.autograd import ChunkFunction, ChunkOptions, forward_records
+from flashkda.autograd import ChunkFunction, ChunkOptions, forward_gate_check, forward_records
 from flashkda.reference import kda_reference
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
@@ -540,6 +540,7 @@ def _chunk_with_grad(fn, p: _Problem, q, k, v, g, beta, A_log, dt_bias, initial_
         records = forward_records(p.B, p.T, p.N, p.HV, cu_seqlens is not None, q.device)
         if records is None:
             return (*_run_chunk_kernel(*args), None)
+        records = records._replace(gate_check=forward_gate_check(g, A_log, dt_bias, use_gate_in_kernel, lower_bound))
         # The records' states are key-first: a V-first initial and final state are transposed around.
         h0 = initial_state.mT if state_v_first and initial_state is not None else initial_state
         o, ht = _run_chunk_kernel(p, q, k, v, g, beta, A_log, dt_bias, cu_seqlens, h0, output_final_state, l2norm,

@@ -47,7 +47,7 @@ import torch
 
 from flashkda import _constants as C
 from flashkda import _ext
-from flashkda.reference import preprocess
+from flashkda.reference import log_decay, preprocess
 
 __all__ = ["ChunkFunction", "ChunkOptions", "chunk_backward"]
 
@@ -95,7 +95,8 @@ class ChunkFunction(torch.autograd.Function):
         o, ht, records = run(q, k, v, g, beta, A_log, dt_bias, initial_state)
         ctx.options = options
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state,
-                              *(records if records is not None else (None, None)))
+                              *(records[:2] if records is not None else (None, None)))
+        ctx.gate_check = None if records is None else records.gate_check
         ctx.set_materialize_grads(False)
         return o, ht
 
@@ -104,12 +105,26 @@ class ChunkFunction(torch.autograd.Function):
         opt = ctx.options
         needs = ctx.needs_input_grad[2:]
         *tensors, states, records = ctx.saved_tensors
+        gate_spans = -1  # unknown: the backward checks
+        if ctx.gate_check is not None:
+            ctx.gate_check.event.synchronize()
+            gate_spans = int(bool(ctx.gate_check.within))
         grads = torch.ops.flashkda.chunk_bwd(
-            do, dht, *tensors, states, records, opt.cu_seqlens, opt.cu_seqlens_cpu, opt.scale,
+            do, dht, *tensors, states, records, gate_spans, opt.cu_seqlens, opt.cu_seqlens_cpu, opt.scale,
             opt.use_qk_l2norm_in_kernel,
             opt.use_gate_in_kernel, opt.lower_bound, opt.use_beta_sigmoid_in_kernel, opt.allow_neg_eigval,
             opt.state_v_first, _needs_mask(needs, tensors))
         return (None, None, *(gr if m else None for gr, m in zip(grads, _needs_flags(needs, tensors))))
+
+
+class GateCheck(NamedTuple):
+    """Whether every 16 consecutive tokens' log decay stays within the backward kernels' span, found
+    on the device when the forward starts and copied to the host without waiting
+    (:func:`forward_gate_check`): the backward reads it once ``event`` has passed (long before, as a
+    rule) instead of reading the device, which would wait for all the work queued before it."""
+
+    within: torch.Tensor  # [] bool, pinned host memory
+    event: torch.cuda.Event
 
 
 class ForwardRecords(NamedTuple):
@@ -117,6 +132,7 @@ class ForwardRecords(NamedTuple):
 
     states: torch.Tensor  # [entries, HV, K, V] bf16: the state at every chunk start, key-first
     records: torch.Tensor  # [entries * HV * chunk_record_bytes] uint8: chunk_prepare's chunk records
+    gate_check: Optional[GateCheck] = None  # an unbounded gate's span check (forward_gate_check)
 
 
 def chunk_entries(B: int, T: int, N: int, varlen: bool) -> int:
@@ -140,6 +156,29 @@ def forward_records(B: int, T: int, N: int, HV: int, varlen: bool, device) -> Op
                           torch.empty(entries * HV * _ext.CHUNK_RECORD_BYTES, dtype=torch.uint8, device=device))
 
 
+def _gate_bounded(use_gate_in_kernel: bool, lower_bound: Optional[float]) -> bool:
+    """Whether the gate itself keeps every 16 tokens' log decay within the backward kernels' span
+    (a lower bound, at least -5 a token): no look at the data."""
+    return (use_gate_in_kernel and lower_bound is not None
+            and -lower_bound * _SUB_CHUNK <= _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN)
+
+
+def forward_gate_check(g, A_log, dt_bias, use_gate_in_kernel: bool, lower_bound) -> Optional[GateCheck]:
+    """The backward kernels' span check of an unbounded gate (raw ``g``, ``[B, T, HV, K]`` or
+    ``[B, T, HV]``), launched by a forward under autograd before its kernels (so it is done long
+    before the backward asks), or None: a bounded gate (no check), traced or captured code (the
+    backward then checks itself), a device without the backward's kernels."""
+    if (not g.is_cuda or not _ext.HAS_EXTENSION or _gate_bounded(use_gate_in_kernel, lower_bound)
+            or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+        return None
+    gate = log_decay(g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    within = torch.empty((), dtype=torch.bool, pin_memory=True)
+    within.copy_(_spans_within_device(gate, _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN), non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return GateCheck(within, event)
+
+
 def _needs_flags(needs, tensors) -> list:
     """Which of the eight tensor inputs get a gradient: required and present."""
     return [bool(n) and t is not None for n, t in zip(needs, tensors)]
@@ -155,28 +194,30 @@ def _needs_mask(needs, tensors) -> int:
 def _chunk_bwd_op(do: Optional[torch.Tensor], dht: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, A_log: Optional[torch.Tensor],
                   dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
-                  states: Optional[torch.Tensor], records: Optional[torch.Tensor],
+                  states: Optional[torch.Tensor], records: Optional[torch.Tensor], gate_spans: int,
                   cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor], scale: float,
                   use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, lower_bound: Optional[float],
                   use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, state_v_first: bool,
                   needs: int) -> List[torch.Tensor]:
     """:func:`chunk_backward` as an op: the gradients of the eight tensor inputs (bit i of ``needs``:
     input i wants one), an empty tensor for each that gets none; ``states`` and ``records``: the
-    forward's :class:`ForwardRecords`, or None."""
+    forward's :class:`ForwardRecords`, or None; ``gate_spans``: its :class:`GateCheck`'s answer (1
+    within, 0 not, -1 not known)."""
     opts = ChunkOptions(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
                         allow_neg_eigval, state_v_first, cu_seqlens, cu_seqlens_cpu)
     tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     flags = [bool(needs >> i & 1) for i in range(len(tensors))]
     saved = None if records is None else ForwardRecords(states, records)
-    grads = chunk_backward(opts, *tensors, do=do, dht=dht, needs_grad=flags, records=saved)
+    grads = chunk_backward(opts, *tensors, do=do, dht=dht, needs_grad=flags, records=saved,
+                           gate_within=None if gate_spans < 0 else bool(gate_spans))
     # A gradient no input reaches (A_log without the gate in the kernel, say) is zero.
     return [(gr if gr is not None else torch.zeros_like(t)) if f else q.new_empty(0)
             for gr, t, f in zip(grads, tensors, flags)]
 
 
 @_chunk_bwd_op.register_fake
-def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, states, records, cu_seqlens,
-                    cu_seqlens_cpu, scale,
+def _chunk_bwd_fake(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, states, records, gate_spans,
+                    cu_seqlens, cu_seqlens_cpu, scale,
                     use_qk_l2norm_in_kernel, use_gate_in_kernel, lower_bound, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, state_v_first, needs):
     tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state)
@@ -438,11 +479,13 @@ def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.T
     return nexts.view(J, N, HV, K, V).permute(1, 2, 0, 3, 4), dS0
 
 
-def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V: int) -> Optional[str]:
+def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V: int,
+                      gate_within: Optional[bool] = None) -> Optional[str]:
     """Why the CUDA kernel pass (``chunk_local_grad``) cannot take this backward, or None. The gate
     ``gp`` (preprocessed log decays, ``[B, T, HV, K]``, or ``[B, T, HV]`` for a scalar gate) must keep
-    every 16 consecutive tokens' log decay within the kernel's span: known from a lower bound, else
-    one look at the device (a synchronisation)."""
+    every 16 consecutive tokens' log decay within the kernel's span: known from a lower bound, or
+    from the forward's check (``gate_within``, :class:`GateCheck`), else one look at the device (a
+    synchronisation)."""
     if not qp.is_cuda:
         return "inputs not on a CUDA device"
     if not _ext.HAS_EXTENSION:
@@ -453,19 +496,24 @@ def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V:
     if short is not None:
         return short
     span = _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN
-    if opts.use_gate_in_kernel and opts.lower_bound is not None and -opts.lower_bound * _SUB_CHUNK <= span:
+    if _gate_bounded(opts.use_gate_in_kernel, opts.lower_bound):
         return None
-    if not _spans_within(gp, span):
+    if not (gate_within if gate_within is not None else _spans_within(gp, span)):
         return f"log decays summing below -{span:g} over {_SUB_CHUNK} tokens"
     return None
 
 
-def _spans_within(gate: torch.Tensor, span: float) -> bool:
+def _spans_within_device(gate: torch.Tensor, span: float) -> torch.Tensor:
     """Whether the log decays ``gate`` (tokens along dim 1) of any 16 consecutive tokens (all of
-    them, with fewer) sum to at least ``-span``; one read of the result (a synchronisation)."""
+    them, with fewer) sum to at least ``-span``: a bool on ``gate``'s device."""
     T = gate.shape[1]
     window = gate.unfold(1, _SUB_CHUNK, 1).sum(-1) if T >= _SUB_CHUNK else gate.sum(1, keepdim=True)
-    return not window.numel() or bool((window >= -span).all())
+    return (window >= -span).all()
+
+
+def _spans_within(gate: torch.Tensor, span: float) -> bool:
+    """:func:`_spans_within_device`, read back (a synchronisation)."""
+    return bool(_spans_within_device(gate, span))
 
 
 def _kernel_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ...]:
@@ -672,12 +720,13 @@ def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A
 
 
 def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial_state, *, do, dht, needs_grad,
-                   records: Optional[ForwardRecords] = None):
+                   records: Optional[ForwardRecords] = None, gate_within: Optional[bool] = None):
     """Gradients ``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dinitial_state)`` of a chunked prefill
     (None for an input that needs none), each in its input's shape and dtype, from the gradients
     ``do`` of ``o`` and ``dht`` of the final state (None: zero). The arguments are the call's raw
     inputs; ``needs_grad`` holds one flag each; ``records``: what the forward kept, if it ran on the
-    chunked kernels. No autograd inside: every step is written out."""
+    chunked kernels; ``gate_within``: its gate check's answer, if it made one (:class:`GateCheck`).
+    No autograd inside: every step is written out."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     f32 = torch.float32
@@ -712,7 +761,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     dS = q.new_zeros(N, HV, K, V, dtype=f32)
     if dht is not None:
         dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
-    why = _kernel_shortfall(opts, qp, gate, V)
+    why = _kernel_shortfall(opts, qp, gate, V, gate_within)
     if why is None:
         dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(
             opts, qp, kp, v, gp, bp, S0, dS, do,

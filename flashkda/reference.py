@@ -31,6 +31,27 @@ def _compute_dtype(*tensors: Optional[torch.Tensor]) -> torch.dtype:
     return torch.float32
 
 
+def log_decay(g: torch.Tensor, *, use_gate_in_kernel: bool, A_log: Optional[torch.Tensor] = None,
+              dt_bias: Optional[torch.Tensor] = None, lower_bound: Optional[float] = None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The natural-log decay of the contract from the gate ``g`` (``[B, T, HV, K]`` for KDA,
+    ``[B, T, HV]`` for GDN), in ``dtype``: ``g`` itself when precomputed, else the gate function of
+    ``g + dt_bias`` with ``a = e^{A_log}`` (``lower_bound · sigmoid(a x)`` or ``−a · softplus(x)``)."""
+    g = g.to(dtype)
+    if not use_gate_in_kernel:
+        return g
+    hv = g.shape[2]
+    per_channel = g.dim() == 4
+    if dt_bias is not None:
+        g = g + dt_bias.to(dtype).reshape((hv, -1) if per_channel else (hv,))
+    a = torch.ones(hv, dtype=dtype, device=g.device) if A_log is None else A_log.to(dtype).reshape(hv).exp()
+    if per_channel:
+        a = a[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * g)
+    return -a * F.softplus(g, beta=1.0, threshold=C.SOFTPLUS_THRESHOLD)
+
+
 def preprocess(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -58,18 +79,8 @@ def preprocess(
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + C.L2NORM_EPS)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + C.L2NORM_EPS)
     q = q * scale
-    if use_gate_in_kernel:
-        hv = g.shape[2]
-        per_channel = g.dim() == 4
-        if dt_bias is not None:
-            g = g + dt_bias.to(dtype).reshape((hv, -1) if per_channel else (hv,))
-        a = torch.ones(hv, dtype=dtype, device=g.device) if A_log is None else A_log.to(dtype).reshape(hv).exp()
-        if per_channel:
-            a = a[:, None]
-        if lower_bound is not None:
-            g = lower_bound * torch.sigmoid(a * g)
-        else:
-            g = -a * F.softplus(g, beta=1.0, threshold=C.SOFTPLUS_THRESHOLD)
+    g = log_decay(g, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                  dtype=dtype)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(beta)
         if allow_neg_eigval:

@@ -195,7 +195,9 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
     """The chunked forward under autograd keeps its states at chunk starts and its chunk records,
     and the backward walks them: one chunk_prepare launch in a forward + backward, where without
     them the backward runs the forward kernels again (kernel names counted by the profiler); the
-    gradients agree (V-first states, varlen with a one-token sequence)."""
+    gradients agree (V-first states, varlen with a one-token sequence). The GDN gate (precomputed,
+    unbounded) is checked against the kernels' span by the forward, so the backward reads nothing
+    back."""
     import flashkda.api
 
     kw = make_inputs(H=4, D=128, gdn=gdn, gate="precomputed" if gdn else "lower_bound", lens=[100, 1, 37],
@@ -210,8 +212,13 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
         names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         return got, sum("chunk_prepare_kernel" in n for n in names), sum("chunk_state_grad_kernel" in n for n in names)
 
+    import flashkda.autograd as ag
+
+    spans_within = ag._spans_within  # the backward reads nothing back: the gate is bounded or checked ahead
+    monkeypatch.setattr(ag, "_spans_within", lambda *a: pytest.fail("the backward read the gate check back"))
     kept, prepares, walks = traced()
     assert (prepares, walks) == (1, 1), f"chunk_prepare ran {prepares} times, chunk_state_grad {walks}"
+    monkeypatch.setattr(ag, "_spans_within", spans_within)
     monkeypatch.setattr(flashkda.api, "forward_records", lambda *a: None)
     again, prepares, walks = traced()
     assert (prepares, walks) == (2, 1), f"without records: chunk_prepare ran {prepares} times"
@@ -317,8 +324,8 @@ def test_backward_op_passes_opcheck():
 
     kw = make_inputs(lens=[70, 0, 5], H=2, HV=4, D=16, gate="softplus", seed=21)
     do, dht = _upstream(kw)
-    args = (do, dht, *[kw.get(n) for n in NAMES], None, None, kw["cu_seqlens"], None, 0.25, True, True, None, True,
-            False, False, 0b11111111)
+    args = (do, dht, *[kw.get(n) for n in NAMES], None, None, -1, kw["cu_seqlens"], None, 0.25, True, True, None,
+            True, False, False, 0b11111111)
     torch.library.opcheck(torch.ops.flashkda.chunk_bwd.default, args)
 
 
