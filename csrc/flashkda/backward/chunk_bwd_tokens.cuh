@@ -10,7 +10,9 @@
 //            sums per tile of rows (summed by the caller: a fixed order, so the result does not vary
 //            from run to run).
 // One warp per (token, head), four key channels a lane: memory-bound, one read of each input and
-// one write of each output.
+// one write of each output. Each kernel issues all of a token's loads before its first store: the
+// compiler, which cannot tell the outputs from the inputs, keeps a load written after a store
+// behind it, one memory latency after another.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -83,22 +85,25 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkB
   if (row >= p.rows) return;
   const int h = key_head(t, hv);
   const int64_t out = (row * t.HV + hv) * kHeadDim + c0;
+  float x[2][4], raw[4], bias[4];  // q, k, the raw gate and dt_bias: every load before the stores
 #pragma unroll
-  for (int is_k = 0; is_k < 2; ++is_k) {
-    float x[4];
-    load_qk(p, is_k, row, h, c0, x);
-    float f = is_k ? 1.f : t.scale;
-    if (t.l2norm) f *= rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] *= f;
-    store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, x);
-  }
-  float raw[4], bias[4], decay[4];
+  for (int is_k = 0; is_k < 2; ++is_k) load_qk(p, is_k, row, h, c0, x[is_k]);
   load_gate(p, row, hv, c0, raw);
   load_bias(t, hv, c0, bias);
+  const float beta_raw = lane == 0 ? raw_beta(t, row, hv) : 0.f;
+#pragma unroll
+  for (int is_k = 0; is_k < 2; ++is_k) {
+    float (&y)[4] = x[is_k];
+    float f = is_k ? 1.f : t.scale;
+    if (t.l2norm) f *= rsqrtf(group_sum<32>(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) + kL2NormEps);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) y[e] *= f;
+    store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, x[is_k]);
+  }
+  float decay[4];
   log_decays(t, raw, bias, gate_scale(t, hv), decay);
   store_floats<4>(p.g_hat + out, decay);
-  if (lane == 0) p.beta_hat[row * t.HV + hv] = beta_value(t, raw_beta(t, row, hv));
+  if (lane == 0) p.beta_hat[row * t.HV + hv] = beta_value(t, beta_raw);
 }
 
 // One warp per (token, key head): dq and dk, the group's value heads summed, back through the scale
@@ -109,23 +114,28 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_qk_grads_kernel(const Chun
   const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (row >= p.rows) return;
   const int group = t.HV / t.H;
+  // Every load first: the gradients of the group's value heads (summed) and the raw q and k.
+  float dys[2][4] = {}, xs[2][4];
 #pragma unroll
   for (int is_k = 0; is_k < 2; ++is_k) {
-    float dy[4] = {0.f, 0.f, 0.f, 0.f};
     const float* src = is_k ? p.dk_hat : p.dq_hat;
     for (int j = 0; j < group; ++j) {
       float d[4];
       load_floats<4>(src + (row * t.HV + h * group + j) * kHeadDim + c0, d);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dy[e] += d[e];
+      for (int e = 0; e < 4; ++e) dys[is_k][e] += d[e];
     }
+    if (t.l2norm) load_qk(p, is_k, row, h, c0, xs[is_k]);
+  }
+#pragma unroll
+  for (int is_k = 0; is_k < 2; ++is_k) {
+    float (&dy)[4] = dys[is_k];
     if (!is_k) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dy[e] *= t.scale;
     }
     if (t.l2norm) {
-      float x[4];
-      load_qk(p, is_k, row, h, c0, x);
+      const float (&x)[4] = xs[is_k];
       const float r = rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
       float y[4];
 #pragma unroll
@@ -177,38 +187,56 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
   float bias[4];
   load_bias(t, hv, c0, bias);
   float sum_dx[4] = {0.f, 0.f, 0.f, 0.f}, sum_da = 0.f;
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int64_t row = tile * kBwdTokenTileRows + i * kWarps + warp;
-    if (row >= p.rows) break;
-    float dy[4], raw[4], x[4], dx[4], da = 0.f;
-    load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dy);
-    if (t.scalar_gate) {  // one decay for every channel: its gradient is their sum
-      dy[0] = group_sum<32>(dy[0] + dy[1] + dy[2] + dy[3]);
-      dy[1] = dy[2] = dy[3] = 0.f;
-    }
-    load_gate(p, row, hv, c0, raw);
+  // The warp's rows kRowsInFlight at a time, every load of them before the first store.
+  constexpr int kRowsInFlight = 2;
+  static_assert(kRowsPerWarp % kRowsInFlight == 0, "whole groups of rows");
+  for (int i0 = 0; i0 < kRowsPerWarp; i0 += kRowsInFlight) {
+    float dys[kRowsInFlight][4], raws[kRowsInFlight][4], dbeta_hat[kRowsInFlight], beta_raw[kRowsInFlight];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) x[e] = raw[e] + bias[e];
-    switch (t.gate_mode) {
-      case GateMode::kLowerBound: gate_grads<GateMode::kLowerBound>(t, dy, x, a, dx, da); break;
-      case GateMode::kSoftplus: gate_grads<GateMode::kSoftplus>(t, dy, x, a, dx, da); break;
-      default: gate_grads<GateMode::kPrecomputed>(t, dy, x, a, dx, da);
-    }
-    if (t.scalar_gate) {
-      if (lane == 0) store_any(p.dg, t.g_dtype, row * t.HV + hv, dx[0]);
-    } else {
-      store_any_vec4(element_at(p.dg, t.g_dtype, (row * t.HV + hv) * kHeadDim + c0), t.g_dtype, dx);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sum_dx[e] += dx[e];
-    sum_da += da;
-    if (lane == 0) {
-      float db = p.dbeta_hat[row * t.HV + hv];
-      if (t.beta_sigmoid) {
-        const float s = sigmoidf_(raw_beta(t, row, hv));
-        db *= t.beta_scale * s * (1.f - s);
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      const int64_t row = tile * kBwdTokenTileRows + (i0 + r) * kWarps + warp;
+      if (row >= p.rows) continue;  // (not break: the loop stays unrolled, its arrays in registers)
+      load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dys[r]);
+      load_gate(p, row, hv, c0, raws[r]);
+      if (lane == 0) {
+        dbeta_hat[r] = p.dbeta_hat[row * t.HV + hv];
+        beta_raw[r] = t.beta_sigmoid ? raw_beta(t, row, hv) : 0.f;
       }
-      store_any(p.dbeta, t.beta_dtype, row * t.HV + hv, db);
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsInFlight; ++r) {
+      const int64_t row = tile * kBwdTokenTileRows + (i0 + r) * kWarps + warp;
+      if (row >= p.rows) continue;
+      float (&dy)[4] = dys[r];
+      const float (&raw)[4] = raws[r];
+      float x[4], dx[4], da = 0.f;
+      if (t.scalar_gate) {  // one decay for every channel: its gradient is their sum
+        dy[0] = group_sum<32>(dy[0] + dy[1] + dy[2] + dy[3]);
+        dy[1] = dy[2] = dy[3] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = raw[e] + bias[e];
+      switch (t.gate_mode) {
+        case GateMode::kLowerBound: gate_grads<GateMode::kLowerBound>(t, dy, x, a, dx, da); break;
+        case GateMode::kSoftplus: gate_grads<GateMode::kSoftplus>(t, dy, x, a, dx, da); break;
+        default: gate_grads<GateMode::kPrecomputed>(t, dy, x, a, dx, da);
+      }
+      if (t.scalar_gate) {
+        if (lane == 0) store_any(p.dg, t.g_dtype, row * t.HV + hv, dx[0]);
+      } else {
+        store_any_vec4(element_at(p.dg, t.g_dtype, (row * t.HV + hv) * kHeadDim + c0), t.g_dtype, dx);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum_dx[e] += dx[e];
+      sum_da += da;
+      if (lane == 0) {
+        float db = dbeta_hat[r];
+        if (t.beta_sigmoid) {
+          const float s = sigmoidf_(beta_raw[r]);
+          db *= t.beta_scale * s * (1.f - s);
+        }
+        store_any(p.dbeta, t.beta_dtype, row * t.HV + hv, db);
+      }
     }
   }
   if (p.ddt_bias_part == nullptr && p.dA_log_part == nullptr) return;
