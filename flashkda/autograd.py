@@ -542,16 +542,26 @@ def _kernel_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ..
     return starts[seq] + j * _CHUNK, length, first, counts.to(torch.int32), N, C
 
 
-def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary_states=None):
+class Boundary(NamedTuple):
+    """The states at chunk starts and the gradients of the states after chunks, ``[C, HV, K, V]``
+    bf16 in the backward's chunk layout (chunk j of sequence n is entry ``seq_first[n] + j``, the
+    forward kernels' dense chunk states), and the initial state's gradient ``[N, HV, K, V]`` fp32."""
+
+    states: torch.Tensor
+    nexts: torch.Tensor
+    dS0: torch.Tensor
+
+
+def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary: Optional[Boundary] = None):
     """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·], dS0)``, fp32 but dv in v's
     dtype where that is bf16 or fp16 (the kernel rounds it once, as the final cast would), from the
     preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group), the initial state
     ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
 
-    The states at chunk starts and the gradients of the states after chunks come from
-    ``boundary_states(dstates) -> (states, dS0)`` (chunk_state_grad on the chunked forward's
-    records, see :func:`_chunked_boundary_states`) when given, else from the
-    per-chunk kernel's state maps (D, B) and Y = Pᵀ dO and two scans over chunks. The per-chunk
+    The states at chunk starts and the gradients of the states after chunks are ``boundary``
+    (chunk_state_grad on the chunked forward's records, see :func:`_chunked_boundary_states`) when
+    given, else they come from the per-chunk kernel's state maps (D, B) and Y = Pᵀ dO and two scans
+    over chunks. The per-chunk
     kernel's gradients pass then writes every token's gradients. Nothing is read back to the host
     (the chunk layout is built on the device)."""
     B, T, HV, K = qp.shape
@@ -570,10 +580,8 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     bos, length, seq_first, seq_chunks, N, C = _kernel_chunks(B, T, opts.cu_seqlens, qp.device)
     if C == 0 or rows == 0:  # no token: the initial state's gradient is the final state's
         return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
-    if boundary_states is not None:
-        # Chunk j of sequence n is entry seq_first[n] + j, the forward kernels' dense chunk states.
-        nexts = q32.new_empty(C, HV, K, V, dtype=_BOUNDARY_STATE_DTYPE)
-        states, dS0 = boundary_states(nexts)
+    if boundary is not None:
+        states, nexts, dS0 = boundary
     else:
         D, Bm, Y = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 0)
         (states,) = _ext.chunk_state_scan_op(D, Bm, S0.contiguous(), seq_first, seq_chunks, False)
@@ -694,13 +702,39 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.contiguous()
 
 
+_side_streams: dict = {}
+
+
+def _beside(first, second):
+    """``(first(), second())``, ``first`` on a second stream of high priority (its blocks are placed
+    first) and ``second`` on the current one, both after the work queued so far; the current stream
+    then waits for both. Tensors that ``first`` returns are marked used on the current stream (the
+    caching allocator then keeps them until the work queued there is done). CUDA-graph capturable
+    (the second stream forks from the current one and joins it)."""
+    main = torch.cuda.current_stream()
+    device = main.device.index
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+    side = _side_streams[device]
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        a = first()
+    b = second()
+    main.wait_stream(side)
+    for t in a:
+        if isinstance(t, torch.Tensor):
+            t.record_stream(main)
+    return a, b
+
+
 def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
                              records: Optional[ForwardRecords]):
-    """``boundary_states(dstates) -> (states, dS0)`` for :func:`_kernel_backward` on the chunked
-    forward kernels (bf16 / fp16 inputs): the states at chunk starts that the forward kept with its
-    ``records``, or, without them, those of the forward run again; then chunk_state_grad on the
-    records (one op, ``flashkda::chunk_state_grad``; ``flags``: its scale, gate mode, lower bound,
-    l2norm, beta sigmoid, allow_neg_eigval). None when those kernels do not take the inputs."""
+    """``boundary_states(entries) -> Boundary`` (:func:`chunk_entries` entries) for
+    :func:`_kernel_backward` on the chunked forward kernels (bf16 / fp16 inputs): the states at chunk
+    starts that the forward kept with its ``records``, or, without them, those of the forward run
+    again; then chunk_state_grad on the records (one op, ``flashkda::chunk_state_grad``; ``flags``:
+    its scale, gate mode, lower bound, l2norm, beta sigmoid, allow_neg_eigval). None when those
+    kernels do not take the inputs."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not hasattr(_ext, "chunk_state_grad_op"):
         return None
     if _ext.chunk_smem_shortfall(q.get_device()) is not None:
@@ -710,11 +744,13 @@ def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A
     dO = torch.zeros_like(v) if do is None else do.to(v.dtype)
     cu = None if opts.cu_seqlens is None else opts.cu_seqlens.contiguous()
 
-    def boundary_states(dstates):
-        states = torch.empty_like(dstates) if records is None else records.states
+    def boundary_states(entries: int) -> Boundary:
+        HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+        nexts = q.new_empty(entries, HV, K, V, dtype=_BOUNDARY_STATE_DTYPE)
+        states = torch.empty_like(nexts) if records is None else records.states
         dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, *gate, cu, S0.contiguous(), *flags, dO, dS.contiguous(),
-                                       states, dstates, None if records is None else records.records)
-        return states, dS0
+                                       states, nexts, None if records is None else records.records)
+        return Boundary(states, nexts, dS0)
 
     return boundary_states
 
@@ -737,11 +773,33 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     flags = (opts.scale, C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound),
              opts.lower_bound if opts.lower_bound is not None else 0.0, opts.use_qk_l2norm_in_kernel,
              opts.use_beta_sigmoid_in_kernel, opts.allow_neg_eigval)
+    N = B if opts.cu_seqlens is None else opts.cu_seqlens.shape[0] - 1
+    S0 = q.new_zeros(N, HV, K, V, dtype=f32)
+    if initial_state is not None:
+        S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
+    dS = q.new_zeros(N, HV, K, V, dtype=f32)
+    if dht is not None:
+        dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
+    entries = chunk_entries(B, T, N, opts.cu_seqlens is not None)
+    boundary_states = boundary = None
     if tokens:  # one pass over the raw inputs on the GPU, q̂ and k̂ per value head
         g_rows = _rows_aligned(g) if g.dim() == 4 else _ext.last_dim_contiguous(g)
         raw = (_rows_aligned(q), _rows_aligned(k), v, g_rows, _ext.last_dim_contiguous(beta),
                None if gate_A is None else gate_A.contiguous(), None if gate_dt is None else gate_dt.contiguous())
-        qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
+        # Where the kernel path is known to serve before the per-token pass (the gate bounded, or
+        # checked by the forward), the boundary states' walk starts first, on a second stream, and
+        # the per-token pass runs beside it: the walk holds one block per (sequence, value head,
+        # value block), which leaves SMs to spare.
+        if (records is not None and entries and B * T
+                and (_gate_bounded(opts.use_gate_in_kernel, opts.lower_bound) or gate_within is not None)
+                and _kernel_shortfall(opts, q, None, V, gate_within) is None):
+            boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
+                                                       records)
+        if boundary_states is not None:
+            boundary, (qp, kp, gp, bp) = _beside(lambda: boundary_states(entries),
+                                                 lambda: _ext.chunk_bwd_inputs_op(*raw, *flags))
+        else:
+            qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
         gate = gp[..., 0] if g.dim() == 3 else gp  # a scalar gate's spans are its head's
     else:
         qp, kp, gp, bp = preprocess(
@@ -754,18 +812,13 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             gp = gp[..., None].expand(B, T, HV, K)
         if group > 1:
             qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
-    N = B if opts.cu_seqlens is None else opts.cu_seqlens.shape[0] - 1
-    S0 = q.new_zeros(N, HV, K, V, dtype=f32)
-    if initial_state is not None:
-        S0 = (initial_state.transpose(-1, -2) if opts.state_v_first else initial_state).to(f32)
-    dS = q.new_zeros(N, HV, K, V, dtype=f32)
-    if dht is not None:
-        dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
     why = _kernel_shortfall(opts, qp, gate, V, gate_within)
     if why is None:
-        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(
-            opts, qp, kp, v, gp, bp, S0, dS, do,
-            _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do, records))
+        if boundary is None and entries and B * T:
+            boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
+                                                       records)
+            boundary = None if boundary_states is None else boundary_states(entries)
+        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary)
     else:
         _ext.log.debug("flashkda: chunked backward on PyTorch (%s)", why)
         dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do)

@@ -138,7 +138,7 @@ def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0
     of the preprocessed inputs and both scans, in the backward's chunk layout (the forward kernels'
     dense chunk states)."""
 
-    def boundary_states(dstates_pool):
+    def boundary_states(entries):
         qp, kp, gp, bp = token_inputs_reference(q, k, v, g, beta, gate_A, gate_dt, *flags)
         B, T, HV, K = qp.shape
         rows = B * T
@@ -149,8 +149,8 @@ def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0
         maps, offsets, Y = local_grad_reference(*flat, bp.reshape(rows, HV).to(f32), dO, bos, length, 0)
         (states,) = state_scan_reference(maps, offsets, S0, first, count, False)
         nexts, dS0 = state_scan_reference(maps, Y, dS, first, count, True)
-        dstates_pool.copy_(nexts)
-        return states.to(dstates_pool.dtype), dS0
+        assert states.shape[0] == entries
+        return ag.Boundary(states.to(ag._BOUNDARY_STATE_DTYPE), nexts.to(ag._BOUNDARY_STATE_DTYPE), dS0)
 
     return boundary_states
 
