@@ -705,17 +705,16 @@ def _rows_aligned(x: torch.Tensor) -> torch.Tensor:
 _side_streams: dict = {}
 
 
-def _beside(first, second):
-    """``(first(), second())``, ``first`` on a second stream of high priority (its blocks are placed
-    first) and ``second`` on the current one, both after the work queued so far; the current stream
-    then waits for both. Tensors that ``first`` returns are marked used on the current stream (the
-    caching allocator then keeps them until the work queued there is done). CUDA-graph capturable
-    (the second stream forks from the current one and joins it)."""
-    main = torch.cuda.current_stream()
-    device = main.device.index
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device=device, priority=-1)
-    side = _side_streams[device]
+def _beside(device: torch.device, first, second):
+    """``(first(), second())`` on CUDA ``device``: ``first`` on a second stream of high priority (its
+    blocks are placed first) and ``second`` on the current one, both after the work queued so far;
+    the current stream then waits for both. Tensors that ``first`` returns are marked used on the
+    current stream (the caching allocator then keeps them until the work queued there is done).
+    CUDA-graph capturable (the second stream forks from the current one and joins it)."""
+    main = torch.cuda.current_stream(device)
+    if device.index not in _side_streams:
+        _side_streams[device.index] = torch.cuda.Stream(device=device, priority=-1)
+    side = _side_streams[device.index]
     side.wait_stream(main)
     with torch.cuda.stream(side):
         a = first()
@@ -796,7 +795,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
                                                        records)
         if boundary_states is not None:
-            boundary, (qp, kp, gp, bp) = _beside(lambda: boundary_states(entries),
+            boundary, (qp, kp, gp, bp) = _beside(q.device, lambda: boundary_states(entries),
                                                  lambda: _ext.chunk_bwd_inputs_op(*raw, *flags))
         else:
             qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
