@@ -29,7 +29,9 @@ Steps 2-4 run on the CUDA kernels (:func:`_kernel_backward`, bf16 tensor-core pr
 accumulation) where they serve (sm_90, K = V = 128, log decays within their 16-token span): step 3
 for bf16 / fp16 inputs from the states the forward kept and ``chunk_state_grad`` on its records
 (:func:`_chunked_boundary_states`; without them the forward kernels run again), for fp32 inputs from ``chunk_local_grad``'s transitions pass and
-``chunk_state_scan``; step 4 is ``chunk_local_grad``'s gradients pass. Else they run in PyTorch (:func:`_torch_backward`,
+``chunk_state_scan``; step 4 is ``chunk_local_grad``'s gradients pass. Where that path is known
+before step 1 (a bounded gate, or the forward's :class:`GateCheck`), step 3's walk runs beside step 1
+(:func:`_beside`). Else steps 2-4 run in PyTorch (:func:`_torch_backward`,
 fp32, written out with no autograd graph inside). There, within a chunk only ``e^{Γi−Γj}`` for
 ``j <= i`` is formed, each factor at most 1 (see :func:`_decayed_grams`), and the gradient in ``g``
 follows the same sums (:func:`_gram_grads`): unbounded softplus gates and masks such as
