@@ -1,6 +1,6 @@
 """Gradient accuracy of the chunked prefill: flashkda and FLA against fp64 autograd of the recurrence.
 
-    python3 bench/grad_accuracy.py [--json PATH]
+    python3 bench/grad_accuracy.py [--json PATH] [--impls flashkda,fla]
 
 Inputs (tests/helpers.make_inputs, seed 12): bf16 q, k, v, raw g ~ N(0, 2) and beta, A_log ~ U(0, 1),
 dt_bias ~ N(0, 1), fp32 initial state 0.1 N(0, 1); T = 300 fixed length and varlen 37 + 1 + 200 + 62,
@@ -34,7 +34,10 @@ CASES = {"T300": None, "varlen4": [37, 1, 200, 62]}
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
+    ap.add_argument("--impls", default="flashkda,fla",
+                    help="which to run (fla alone: FLA's Triton kernels compiled, e.g. to fill a cache)")
     args = ap.parse_args()
+    impls_wanted = set(args.impls.split(","))
     common.RESULTS_PATH = args.json
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -50,8 +53,10 @@ def main():
             do = torch.randn(*kw["v"].shape, generator=gen).cuda()
             dht = torch.randn(*kw["initial_state"].shape, generator=gen).cuda()
             ref = grads64(kw, do, dht)
-            impls = {"flashkda": grads_of(flashkda.chunk_kda, kw, do, dht, output_final_state=True)}
-            if fla_chunk_kda is not None:
+            impls = {}
+            if "flashkda" in impls_wanted:
+                impls["flashkda"] = grads_of(flashkda.chunk_kda, kw, do, dht, output_final_state=True)
+            if fla_chunk_kda is not None and "fla" in impls_wanted:
                 impls["fla"] = grads_of(fla_chunk_kda, kw, do, dht, output_final_state=True,
                                         safe_gate=gate == "lower_bound")
             for impl, got in impls.items():

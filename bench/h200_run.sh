@@ -15,6 +15,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # bench/harness/ab_library.sh on whole-library variants (DECODE=1: decode too; HOST=1: the eager
 # host paths), PREPARE_CLOCKS=1 the tree's phase clocks; with AB_APPLY=one of them, that patch
 # applied to the tree, then the chunk tests, the sanitizers and prefill_quick)
+# | fla_warm (no build: FLA's training rows, FLA's half of bench/grad_accuracy.py and two steps of
+# FLA's model, each under FLA_LIMIT seconds, compiling FLA's Triton kernels into the saved cache)
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
@@ -46,10 +48,25 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 t0=$(date +%s)
-FLASHKDA_CUDA_ARCHS=${FLASHKDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
-  python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - t0 )) s"
+if [[ $what != fla_warm ]]; then
+  FLASHKDA_CUDA_ARCHS=${FLASHKDA_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} \
+    python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
 rc=0
+if [[ $what == fla_warm ]]; then
+  # FLA's Triton kernels for the training benchmarks, compiled (and autotuned) into the cache that
+  # the EXIT trap saves, with no build beside them: FLA's training rows (timed: nothing else runs),
+  # FLA's half of bench/grad_accuracy.py, two steps of FLA's model. Each step under its own limit
+  # (FLA_LIMIT, seconds), so that a slow compile still leaves the cache of the others.
+  export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
+  FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-240} python3 -m pytest -q bench/test_train.py -k "not flashkda" \
+    -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc 2>&1 | tail -1
+  timeout ${FLA_LIMIT:-240} python3 bench/grad_accuracy.py --impls fla --json "$OUT/grad_fla.json" 2>&1 \
+    | grep -v -i warn | tail -6
+  timeout ${FLA_LIMIT:-240} python3 bench/train_fla_model.py --warm 2>&1 | grep -v -i warn | tail -2
+  echo "fla_warm: $(( $(date +%s) - t0 )) s"
+fi
 if [[ $what == all || $what == tests ]]; then
   python3 -m pytest -q -x ${TESTS:-tests/} -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
   python3 -m flashkda 2>&1 | tee "$OUT/main.log" || rc=1

@@ -1,6 +1,9 @@
 """Training FLA's own KDAForCausalLM with flashkda as its KDA backend, against FLA's Triton kernels.
 
-    python3 bench/train_fla_model.py [--json PATH] [--steps 30] [--layers 4] [--gate lower_bound]
+    python3 bench/train_fla_model.py [--json PATH] [--steps 30] [--layers 4] [--gate lower_bound] [--warm]
+
+--warm: two steps on FLA's kernels only, nothing recorded (FLA's Triton kernels compiled, e.g. to fill a
+cache before a timed run).
 
 Model: fla.models.KDAForCausalLM from KDAConfig (hidden 2048, 16 heads of 128, --layers layers,
 vocabulary 8192), random weights from seed 0, bf16 parameters trained by AdamW (lr 3e-4), no code
@@ -124,7 +127,12 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--gate", choices=list(GATES), default="lower_bound")
+    ap.add_argument("--warm", action="store_true", help="two steps on FLA's kernels, nothing recorded")
     args = ap.parse_args()
+    if args.warm:
+        r = train("0", 0, 2, args.layers, args.gate)
+        print(f"warm-up on FLA's kernels: {len(r['losses'])} steps, loss {r['losses'][-1]:.4f}")
+        return
     common.RESULTS_PATH = args.json
     if args.gate != "lower_bound":  # by default the backend serves training calls of bounded gates only
         os.environ[integ.TRAINING_ENV_VAR] = "1"
