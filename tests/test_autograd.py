@@ -283,6 +283,41 @@ def test_decayed_grams_pivot_equals_exact():
         torch.testing.assert_close(pivoted, exact, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("within", [True, False])
+def test_forward_gate_check_reaches_the_backward(monkeypatch, within):
+    """The answer of a forward's gate check (ForwardRecords.gate_check) reaches the backward's choice
+    of path after its event, not a read of the device; the forward's states and records reach the
+    backward op (here on the CPU, where the PyTorch path runs whatever they say)."""
+    import flashkda.autograd as ag
+
+    class Event:
+        synchronized = False
+
+        def synchronize(self):
+            Event.synchronized = True
+
+    seen = []
+    shortfall = ag._kernel_shortfall
+    monkeypatch.setattr(ag, "_kernel_shortfall", lambda *a: seen.append(a[4]) or shortfall(*a))
+    monkeypatch.setattr(ag, "_spans_within", lambda *a: pytest.fail("the backward read the gate check back"))
+    kw = make_inputs(T=70, H=2, D=16, gate="softplus", seed=23)
+    do, dht = _upstream(kw)
+    opts = ChunkOptions(16 ** -0.5, True, True, None, True, False, False, None, None)
+    kept = ag.ForwardRecords(torch.zeros(2, 2, 16, 16), torch.zeros(8, dtype=torch.uint8),
+                             ag.GateCheck(torch.tensor(within), Event()))
+
+    def fn(**call):
+        def run(*t):
+            o, ht = kda_reference(**dict(call, **dict(zip(NAMES, t))))
+            return o, ht, kept
+
+        return ChunkFunction.apply(run, opts, *[call.get(n) for n in NAMES])
+
+    got = grads_of(fn, kw, do, dht, output_final_state=True)
+    assert Event.synchronized and seen == [within]
+    _check_grads(got, grads64(kw, do, dht), 2e-5)
+
+
 @pytest.mark.parametrize("name", ["q", "initial_state", "A_log"])
 def test_chunk_backward_one_input_requires_grad(name):
     """Only one input requires grad (q reaches the output alone, the initial state both outputs)."""
