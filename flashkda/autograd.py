@@ -31,7 +31,8 @@ for bf16 / fp16 inputs from the states the forward kept and ``chunk_state_grad``
 (:func:`_chunked_boundary_states`; without them the forward kernels run again), for fp32 inputs from ``chunk_local_grad``'s transitions pass and
 ``chunk_state_scan``; step 4 is ``chunk_local_grad``'s gradients pass. Where that path is known
 before step 1 (a bounded gate, or the forward's :class:`GateCheck`), step 3's walk runs beside step 1
-(:func:`_beside`). Else steps 2-4 run in PyTorch (:func:`_torch_backward`,
+(:func:`_beside`). Where only the gradients pass lacks room (sm_80's shared memory), step 3 still
+runs on the kernels and steps 2 and 4 in PyTorch. Else steps 2-4 run in PyTorch (:func:`_torch_backward`,
 fp32, written out with no autograd graph inside). There, within a chunk only ``e^{Γi−Γj}`` for
 ``j <= i`` is formed, each factor at most 1 (see :func:`_decayed_grams`), and the gradient in ``g``
 follows the same sums (:func:`_gram_grads`): unbounded softplus gates and masks such as
@@ -148,10 +149,10 @@ def chunk_entries(B: int, T: int, N: int, varlen: bool) -> int:
 
 
 def forward_records(B: int, T: int, N: int, HV: int, varlen: bool, device) -> Optional[ForwardRecords]:
-    """Fresh :class:`ForwardRecords` for a chunked forward under autograd to fill (``chunk_fwd``'s
-    ``chunk_states`` and ``records``), or None where the backward's kernels do not serve the device
-    (it then runs without them). K = V = 128."""
-    if not _ext.HAS_EXTENSION or _ext.chunk_bwd_shortfall(device.index) is not None:
+    """Fresh :class:`ForwardRecords` for a chunked forward under autograd (on a device whose chunked
+    kernels run) to fill (``chunk_fwd``'s ``chunk_states`` and ``records``), or None without the
+    extension. K = V = 128."""
+    if not _ext.HAS_EXTENSION:
         return None
     entries, K = chunk_entries(B, T, N, varlen), C.CHUNK_HEAD_DIM
     return ForwardRecords(torch.empty(entries, HV, K, K, dtype=_BOUNDARY_STATE_DTYPE, device=device),
@@ -481,28 +482,37 @@ def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.T
     return nexts.view(J, N, HV, K, V).permute(1, 2, 0, 3, 4), dS0
 
 
-def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: torch.Tensor, V: int,
-                      gate_within: Optional[bool] = None) -> Optional[str]:
-    """Why the CUDA kernel pass (``chunk_local_grad``) cannot take this backward, or None. The gate
-    ``gp`` (preprocessed log decays, ``[B, T, HV, K]``, or ``[B, T, HV]`` for a scalar gate) must keep
-    every 16 consecutive tokens' log decay within the kernel's span: known from a lower bound, or
-    from the forward's check (``gate_within``, :class:`GateCheck`), else one look at the device (a
-    synchronisation)."""
+def _device_shortfall(qp: torch.Tensor, V: int) -> Optional[str]:
+    """Why no CUDA kernel of the backward takes these inputs (device, extension, head dims), or None."""
     if not qp.is_cuda:
         return "inputs not on a CUDA device"
     if not _ext.HAS_EXTENSION:
         return "the CUDA extension is not built"
     if qp.shape[-1] != C.CHUNK_HEAD_DIM or V != C.CHUNK_HEAD_DIM:
         return f"head dims K = {qp.shape[-1]}, V = {V} (the backward's kernel takes {C.CHUNK_HEAD_DIM})"
-    short = _ext.chunk_bwd_shortfall(qp.device.index)
-    if short is not None:
-        return short
+    return None
+
+
+def _gate_shortfall(opts: ChunkOptions, gp: Optional[torch.Tensor], gate_within: Optional[bool]) -> Optional[str]:
+    """Why the gate keeps the backward off its bf16 kernel path, or None: the log decays ``gp``
+    (preprocessed, ``[B, T, HV, K]``, or ``[B, T, HV]`` for a scalar gate) of every 16 consecutive
+    tokens must stay within the kernels' span: known from a lower bound, or from the forward's check
+    (``gate_within``, :class:`GateCheck`), else one look at the device (a synchronisation)."""
     span = _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN
     if _gate_bounded(opts.use_gate_in_kernel, opts.lower_bound):
         return None
     if not (gate_within if gate_within is not None else _spans_within(gp, span)):
         return f"log decays summing below -{span:g} over {_SUB_CHUNK} tokens"
     return None
+
+
+def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: Optional[torch.Tensor], V: int,
+                      gate_within: Optional[bool] = None) -> Optional[str]:
+    """Why the CUDA kernel pass (``chunk_local_grad``) cannot take this backward, or None: the
+    device and inputs (:func:`_device_shortfall`), the pass's shared memory, the gate
+    (:func:`_gate_shortfall`)."""
+    return (_device_shortfall(qp, V) or _ext.chunk_bwd_shortfall(qp.device.index)
+            or _gate_shortfall(opts, gp, gate_within))
 
 
 def _spans_within_device(gate: torch.Tensor, span: float) -> torch.Tensor:
@@ -650,9 +660,10 @@ def _preprocess_grads(opts: ChunkOptions, q, k, g, beta, A_log, dt_bias, dq, dk,
     return dq, dk, dg, dbeta, dA_log, ddt_bias
 
 
-def _torch_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
+def _torch_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary: Optional[Boundary] = None):
     """The backward in PyTorch (fp32, the 64-token chunk layout), with the outputs of
-    :func:`_kernel_backward`: every input, gate and length."""
+    :func:`_kernel_backward`: every input, gate and length. With ``boundary`` (the kernels' states at
+    chunk boundaries, bf16) its scans over chunks are not run."""
     B, T, HV, K = qp.shape
     V = v.shape[-1]
     f32 = torch.float32
@@ -678,15 +689,31 @@ def _torch_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do):
     pivot = _pivot_safe(gc, opts.use_gate_in_kernel and opts.lower_bound is not None)
     dec = _decays(gc, pivot)
     loc = _chunk_local(qc, kc, vc, bc, dec)
-    D = _transitions(loc)
-    states = _state_scan(loc, D, S0)
     dO = torch.zeros(B * T + 1, HV, V, dtype=f32, device=dev)
     if do is not None:
         dO[:-1] = do.reshape(B * T, HV, V)
     dO = dO[rows].view(N, J, _CHUNK, HV, V).permute(0, 3, 1, 2, 4).contiguous()
-    dS_next, dS0 = _state_grad_scan(loc, D, dO, dS)
+    if boundary is not None:
+        _, _, seq_first, seq_chunks, _, _ = _kernel_chunks(B, T, opts.cu_seqlens, dev)
+        states, dS_next = (_per_sequence(x, seq_first, seq_chunks, J) for x in boundary[:2])
+        dS0 = boundary.dS0
+    else:
+        D = _transitions(loc)
+        states = _state_scan(loc, D, S0)
+        dS_next, dS0 = _state_grad_scan(loc, D, dO, dS)
     dqc, dkc, dvc, dgc, dbc = _chunk_local_backward(loc, dec, qc, kc, vc, bc, states, dO, dS_next)
     return tokens(dqc), tokens(dkc), tokens(dvc), tokens(dgc), tokens(dbc[..., None])[..., 0], dS0
+
+
+def _per_sequence(x: torch.Tensor, seq_first: torch.Tensor, seq_chunks: torch.Tensor, J: int) -> torch.Tensor:
+    """Entries ``[C, HV, K, V]`` of the kernels' chunk layout (sequence n's chunks from
+    ``seq_first[n]``) as ``[N, HV, J, K, V]`` fp32, zero for the chunks past a sequence's end (the
+    padded chunks of the PyTorch path, whose gradients do not depend on them)."""
+    j = torch.arange(J, device=x.device)
+    valid = j[None] < seq_chunks[:, None].long()
+    index = torch.where(valid, seq_first[:, None] + j[None], 0)
+    out = x[index.reshape(-1)].view(*index.shape, *x.shape[1:]).float() * valid[..., None, None, None]
+    return out.permute(0, 2, 1, 3, 4)
 
 
 def _token_kernels_serve(q, k, v, g, beta, A_log, dt_bias) -> bool:
@@ -813,16 +840,23 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             gp = gp[..., None].expand(B, T, HV, K)
         if group > 1:
             qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
-    why = _kernel_shortfall(opts, qp, gate, V, gate_within)
+    device_why = _device_shortfall(qp, V)
+    pass_why = None if device_why else _ext.chunk_bwd_shortfall(qp.device.index)
+    gate_why = None if device_why else _gate_shortfall(opts, gate, gate_within)
+    why = device_why or pass_why or gate_why
+    # The states at chunk boundaries from the kernels (the forward's records, chunk_state_grad)
+    # wherever the gate allows the bf16 path, also when only the gradients pass does not fit the
+    # device (sm_80's shared memory): the PyTorch path then takes them instead of its scans.
+    if boundary is None and entries and B * T and not device_why and not gate_why:
+        boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
+                                                   records)
+        boundary = None if boundary_states is None else boundary_states(entries)
     if why is None:
-        if boundary is None and entries and B * T:
-            boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
-                                                       records)
-            boundary = None if boundary_states is None else boundary_states(entries)
         dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary)
     else:
-        _ext.log.debug("flashkda: chunked backward on PyTorch (%s)", why)
-        dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do)
+        _ext.log.debug("flashkda: chunked backward on PyTorch (%s%s)", why,
+                       "; the states at chunk boundaries from the kernels" if boundary is not None else "")
+        dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary)
     if tokens:
         dq, dk, dg, dbeta, dA_part, ddt_part = _ext.chunk_bwd_input_grads_op(
             *raw, dq.contiguous(), dk.contiguous(), dgp.contiguous(), dbp.contiguous(), *flags)

@@ -297,9 +297,13 @@ def test_forward_gate_check_reaches_the_backward(monkeypatch, within):
             Event.synchronized = True
 
     seen = []
-    shortfall = ag._kernel_shortfall
-    monkeypatch.setattr(ag, "_kernel_shortfall", lambda *a: seen.append(a[4]) or shortfall(*a))
+    gate_shortfall = ag._gate_shortfall
+    monkeypatch.setattr(ag, "_gate_shortfall", lambda *a: seen.append(a[2]) or gate_shortfall(*a))
     monkeypatch.setattr(ag, "_spans_within", lambda *a: pytest.fail("the backward read the gate check back"))
+    # A device the kernels would take but for the gradients pass's room: the gate decides the rest.
+    monkeypatch.setattr(ag, "_device_shortfall", lambda *a: None)
+    monkeypatch.setattr(ag._ext, "chunk_bwd_shortfall", lambda index: "no room", raising=False)
+    monkeypatch.setattr(ag._ext, "CHUNK_BWD_MAX_SUBCHUNK_SPAN", 80.0, raising=False)
     kw = make_inputs(T=70, H=2, D=16, gate="softplus", seed=23)
     do, dht = _upstream(kw)
     opts = ChunkOptions(16 ** -0.5, True, True, None, True, False, False, None, None)

@@ -155,14 +155,16 @@ def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0
     return boundary_states
 
 
-@pytest.mark.parametrize("boundary", ["scans", "forward_kernels"])
+@pytest.mark.parametrize("boundary", ["scans", "forward_kernels", "forward_kernels_torch_pass"])
 @pytest.mark.parametrize("tokens", [False, True], ids=["torch_tokens", "kernel_tokens"])
 @pytest.mark.parametrize("case", list(KERNEL_GLUE_CASES))
 def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens, boundary):
     """The backward on the kernel pass (here its reference) gives the PyTorch backward's gradients
     (chunk layout, scans, GVA, GDN, state layouts, sequences without tokens), with the per-token
     work in PyTorch or on its kernels' path (their references: the glue around them), and the
-    states at chunk boundaries from the scans or from the forward kernels (their reference)."""
+    states at chunk boundaries from the scans or from the forward kernels (their reference); and
+    where the gradients pass has no room on the device (sm_80), the PyTorch path on the forward
+    kernels' boundary states instead of its own scans."""
     from test_autograd import _through_chunk_function, _upstream
 
     monkeypatch.setattr(_ext, "chunk_local_grad_op", local_grad_reference, raising=False)
@@ -171,14 +173,21 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens, bounda
     monkeypatch.setattr(_ext, "chunk_bwd_input_grads_op", token_grads_reference, raising=False)
     monkeypatch.setattr(ag, "_token_kernels_serve", lambda *a: tokens)
     monkeypatch.setattr(ag, "_chunked_boundary_states",
-                        boundary_states_reference if boundary == "forward_kernels" else lambda *a: None)
+                        boundary_states_reference if boundary.startswith("forward_kernels") else lambda *a: None)
     monkeypatch.setattr(ag, "_BOUNDARY_STATE_DTYPE", torch.float32)  # the glue, not the rounding
     kw = make_inputs(H=2, D=16, dtype=torch.float64, **KERNEL_GLUE_CASES[case], seed=3)
     do, dht = (x.double() for x in _upstream(kw))
     calls = []
-    monkeypatch.setattr(ag, "_kernel_shortfall", lambda *a: "the PyTorch backward")
+    monkeypatch.setattr(ag, "_device_shortfall", lambda *a: "the PyTorch backward")
     want = _through_chunk_function(kw, do, dht)
-    monkeypatch.setattr(ag, "_kernel_shortfall", lambda *a: calls.append(1))
+    monkeypatch.setattr(ag, "_device_shortfall", lambda *a: calls.append(1))
+    monkeypatch.setattr(ag, "_gate_shortfall", lambda *a: None)
+    no_room = boundary == "forward_kernels_torch_pass"
+    monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda index: "no room" if no_room else None, raising=False)
+    if no_room:
+        monkeypatch.setattr(ag, "_kernel_backward", lambda *a: pytest.fail("the gradients pass ran"))
+        if kw["q"].shape[1]:  # (no token: nothing to take from the kernels)
+            monkeypatch.setattr(ag, "_state_scan", lambda *a: pytest.fail("the PyTorch path scanned"))
     got = _through_chunk_function(kw, do, dht)
     assert calls, "the kernel path was not taken"
     for name, a, b in zip(GRAD_INPUTS, got, want):
