@@ -229,6 +229,29 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("case", ["bf16_lower_bound_varlen_vfirst", "bf16_lower_bound_gva"])
+def test_cuda_backward_without_room_for_the_gradients_pass(case, monkeypatch):
+    """A device without room for the gradients pass (sm_80's shared memory, stood in for here): the
+    kernels' states at chunk boundaries (chunk_state_grad on the forward's records), the per-chunk
+    gradients in PyTorch, within the kernel path's bound of fp64."""
+    from flashkda import _ext
+
+    monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda index: "163 KB per block (stood in)")
+    spec = dict(GPU_CASES[case])
+    gdn = spec.pop("gdn", False)
+    kw = make_inputs(H=4, D=128, gdn=gdn, device="cuda", **spec, seed=8)
+    do, dht = _upstream(kw)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("chunk_state_grad_kernel" in n for n in names), "the boundary states did not come from the kernels"
+    assert not any("chunk_local_grad_kernel" in n for n in names), "the gradients pass ran"
+    _check_grads(got, grads64(kw, do, dht), CUDA_TOL[spec["dtype"]], case)
+
+
+@cuda
+@pytest.mark.cuda
 def test_cuda_fast_entry_declines_grad(monkeypatch):
     """The eager C++ entries decline inputs that require grad (the general path records the graph
     or raises); a call without grad still takes them."""
