@@ -776,7 +776,9 @@ def _chunked_boundary_states(opts: ChunkOptions, flags, q, k, v, g, beta, gate_A
         HV, K, V = v.shape[2], q.shape[3], v.shape[3]
         nexts = q.new_empty(entries, HV, K, V, dtype=_BOUNDARY_STATE_DTYPE)
         states = torch.empty_like(nexts) if records is None else records.states
-        dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, *gate, cu, S0.contiguous(), *flags, dO, dS.contiguous(),
+        # On kept records the forward does not run again: no initial state to read.
+        S0_in = S0.contiguous() if records is None else None
+        dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, *gate, cu, S0_in, *flags, dO, dS.contiguous(),
                                        states, nexts, None if records is None else records.records)
         return Boundary(states, nexts, dS0)
 
