@@ -528,11 +528,34 @@ def _spans_within(gate: torch.Tensor, span: float) -> bool:
     return bool(_spans_within_device(gate, span))
 
 
+#: The chunk layout of batches without cu_seqlens, by (B, T, CUDA device): built once on the host
+#: and copied, instead of some twenty tiny kernels in every backward. Read only.
+_dense_layouts: dict = {}
+_DENSE_LAYOUTS_KEPT = 64
+
+
 def _kernel_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ...]:
     """The kernels' chunks, every sequence's consecutive: ``(bos [C] int64, len [C] int32,
     seq_first [N] int64, seq_chunks [N] int32, N, C)``, sequence n's ``seq_chunks[n]`` chunks from
     ``seq_first[n]``. ``C`` (:func:`chunk_entries`) is known without reading ``cu_seqlens``: all of
-    it is built on the device, and the chunks past the last sequence's are empty."""
+    it is built on the device, and the chunks past the last sequence's are empty. Without
+    ``cu_seqlens`` on a CUDA device, the layout of (B, T) is built once (outside graph capture) and
+    kept; the tensors returned are then shared, and must not be written."""
+    dev = torch.device(device)
+    if cu_seqlens is None and dev.type == "cuda":
+        key = (B, T, dev.index if dev.index is not None else torch.cuda.current_device())
+        if key not in _dense_layouts and not torch.cuda.is_current_stream_capturing():
+            if len(_dense_layouts) >= _DENSE_LAYOUTS_KEPT:
+                _dense_layouts.pop(next(iter(_dense_layouts)))
+            _dense_layouts[key] = tuple(x.to(dev) if isinstance(x, torch.Tensor) else x
+                                        for x in _build_chunks(B, T, None, "cpu"))
+        if key in _dense_layouts:
+            return _dense_layouts[key]
+    return _build_chunks(B, T, cu_seqlens, dev)
+
+
+def _build_chunks(B: int, T: int, cu_seqlens, device) -> Tuple[torch.Tensor, ...]:
+    """:func:`_kernel_chunks`, built with ops on ``device``."""
     if cu_seqlens is None:
         N = B
         starts = torch.arange(B, dtype=torch.long, device=device) * T

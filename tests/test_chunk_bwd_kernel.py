@@ -224,6 +224,19 @@ def test_kernel_chunks_layout():
 
 cuda = pytest.mark.skipif(not HAS_CUDA_KERNELS, reason="needs CUDA and the extension")
 
+
+@cuda
+@pytest.mark.cuda
+def test_dense_chunk_layout_is_kept():
+    """Without cu_seqlens the chunk layout of (B, T) is built once and kept; it equals the layout
+    built with ops on the device."""
+    for B, T in ((1, 8192), (2, 150), (3, 64), (1, 1)):
+        kept = ag._kernel_chunks(B, T, None, "cuda")
+        assert ag._kernel_chunks(B, T, None, "cuda") is kept
+        for a, b in zip(kept, ag._build_chunks(B, T, None, torch.device("cuda"))):
+            assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b
+
+
 #: bf16 operands on the tensor cores, fp32 accumulation: relative L2 error of each output.
 KERNEL_TOL = 1e-2
 
