@@ -170,7 +170,7 @@ def forward_gate_check(g, A_log, dt_bias, use_gate_in_kernel: bool, lower_bound)
     """The backward kernels' span check of an unbounded gate (raw ``g``, ``[B, T, HV, K]`` or
     ``[B, T, HV]``), launched by a forward under autograd before its kernels (so it is done long
     before the backward asks), or None: a bounded gate (no check), traced or captured code (the
-    backward then checks itself), a device without the backward's kernels."""
+    backward then checks itself), CPU tensors or no extension."""
     if (not g.is_cuda or not _ext.HAS_EXTENSION or _gate_bounded(use_gate_in_kernel, lower_bound)
             or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
         return None
