@@ -132,9 +132,8 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
     call without one). ``FLASHKDA_FLA_TRAINING=1``: none; ``=0``: every one. Unset: flashkda takes
     the calls whose backward runs on its CUDA kernels with no look at the data (a chunk_kda gate
     with a lower bound, bf16 / fp16 inputs, a device that runs the backward's kernels, no context
-    parallelism), 0.55-0.63x FLA's forward + backward time on the H200 (BENCHMARK_H200.md,
-    "Training"); the others (GDN, unbounded gates, whose backward reads the gate back) are not
-    measured faster than FLA's."""
+    parallelism), measured faster than FLA's (BENCHMARK_H200.md, "Training"); the others (GDN,
+    unbounded gates, whose backward checks the gate's spans) are not."""
     q = tensors[0]
     if not _api._needs_grad(*tensors):
         return None
