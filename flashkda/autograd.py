@@ -506,15 +506,6 @@ def _gate_shortfall(opts: ChunkOptions, gp: Optional[torch.Tensor], gate_within:
     return None
 
 
-def _kernel_shortfall(opts: ChunkOptions, qp: torch.Tensor, gp: Optional[torch.Tensor], V: int,
-                      gate_within: Optional[bool] = None) -> Optional[str]:
-    """Why the CUDA kernel pass (``chunk_local_grad``) cannot take this backward, or None: the
-    device and inputs (:func:`_device_shortfall`), the pass's shared memory, the gate
-    (:func:`_gate_shortfall`)."""
-    return (_device_shortfall(qp, V) or _ext.chunk_bwd_shortfall(qp.device.index)
-            or _gate_shortfall(opts, gp, gate_within))
-
-
 def _spans_within_device(gate: torch.Tensor, span: float) -> torch.Tensor:
     """Whether the log decays ``gate`` (tokens along dim 1) of any 16 consecutive tokens (all of
     them, with fewer) sum to at least ``-span``: a bool on ``gate``'s device."""
@@ -834,6 +825,10 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     if dht is not None:
         dS = (dht.transpose(-1, -2) if opts.state_v_first else dht).to(f32)
     entries = chunk_entries(B, T, N, opts.cu_seqlens is not None)
+    # The kernel path: the device and inputs, the gradients pass's shared memory, then the gate.
+    device_why = _device_shortfall(q, V)
+    pass_why = None if device_why else _ext.chunk_bwd_shortfall(q.device.index)
+    gate_known = _gate_bounded(opts.use_gate_in_kernel, opts.lower_bound) or gate_within is not None
     boundary_states = boundary = None
     if tokens:  # one pass over the raw inputs on the GPU, q̂ and k̂ per value head
         g_rows = _rows_aligned(g) if g.dim() == 4 else _ext.last_dim_contiguous(g)
@@ -843,9 +838,8 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         # checked by the forward), the boundary states' walk starts first, on a second stream, and
         # the per-token pass runs beside it: the walk holds one block per (sequence, value head,
         # value block), which leaves SMs to spare.
-        if (records is not None and entries and B * T
-                and (_gate_bounded(opts.use_gate_in_kernel, opts.lower_bound) or gate_within is not None)
-                and _kernel_shortfall(opts, q, None, V, gate_within) is None):
+        if (records is not None and entries and B * T and not device_why and not pass_why and gate_known
+                and _gate_shortfall(opts, None, gate_within) is None):
             boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
                                                        records)
         if boundary_states is not None:
@@ -865,8 +859,6 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             gp = gp[..., None].expand(B, T, HV, K)
         if group > 1:
             qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
-    device_why = _device_shortfall(qp, V)
-    pass_why = None if device_why else _ext.chunk_bwd_shortfall(qp.device.index)
     gate_why = None if device_why else _gate_shortfall(opts, gate, gate_within)
     why = device_why or pass_why or gate_why
     # The states at chunk boundaries from the kernels (the forward's records, chunk_state_grad)

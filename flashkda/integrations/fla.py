@@ -58,6 +58,7 @@ import torch
 
 from flashkda import _ext
 from flashkda import api as _api
+from flashkda import autograd as _autograd
 from flashkda._ext import log
 
 _is_compiling = torch.compiler.is_compiling
@@ -151,7 +152,7 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
         why = f"{q.dtype} inputs (flashkda's measured backward: bfloat16 / float16)"
     if why is None and q.is_cuda and _ext.HAS_EXTENSION:
         short = _ext.chunk_bwd_shortfall(q.get_device())
-        if short is None and -lower_bound * 16 > _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN:
+        if short is None and not _autograd._gate_bounded(True, lower_bound):
             short = f"lower_bound={lower_bound} (16 tokens may decay beyond the kernels' span)"
         if short is not None:
             why = f"flashkda's backward kernels do not serve it: {short}"
