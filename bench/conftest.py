@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import common  # noqa: E402
+import fla_autotune  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -23,7 +24,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # FLA's modules are imported by now: its recorded autotuning winners
+        print(f"\nfla_autotune: {fla_autotune.pin()} tuning keys of FLA's kernels pinned")
+    else:
         skip = pytest.mark.skip(reason="benchmarks need a CUDA device")
         here = Path(__file__).parent
         for item in items:

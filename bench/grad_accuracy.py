@@ -25,6 +25,7 @@ sys.path[:0] = [str(root), str(root / "tests"), str(root / "bench")]
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import fla_autotune  # noqa: E402
 import flashkda  # noqa: E402
 from helpers import GRAD_INPUTS, grads64, grads_of, make_inputs, rel_err  # noqa: E402
 
@@ -43,6 +44,7 @@ def main():
         from fla.ops.kda import chunk_kda as fla_chunk_kda
     except Exception:  # noqa: BLE001
         fla_chunk_kda = None
+    fla_autotune.pin(any_gpu=True)  # errors, not times: any GPU's recorded winners serve
     names = [n for n in GRAD_INPUTS]
     print("| case | gate | impl | " + " | ".join(f"d{n}" for n in names) + " |")
     print("|---|---|---|" + "---|" * len(names))

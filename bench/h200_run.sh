@@ -16,7 +16,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # host paths), PREPARE_CLOCKS=1 the tree's phase clocks; with AB_APPLY=one of them, that patch
 # applied to the tree, then the chunk tests, the sanitizers and prefill_quick)
 # | fla_warm (no build: FLA's training rows, FLA's half of bench/grad_accuracy.py and two steps of
-# FLA's model, each under FLA_LIMIT seconds, compiling FLA's Triton kernels into the saved cache)
+# FLA's model, each under FLA_LIMIT seconds (default 170: the three stay within a 600 s call), FLA_K a
+# pytest -k expression for the rows, compiling FLA's Triton kernels into the saved cache)
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
@@ -38,9 +39,14 @@ what=${1:-all}
 export TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
 compgen -G ".cache/triton.tar.xz.*" >/dev/null && cat .cache/triton.tar.xz.* | tar -xJf - -C "$TRITON_CACHE_DIR"
+# FLA's autotuning winners of this run (bench/fla_autotune.py) also come back, as $OUT/fla_autotune.json:
+# bench/results/fla_autotune.json with them merged in, to be committed.
 save_triton_cache() {
+  rm -f "$OUT"/triton.tar.xz.*
   (cd "$TRITON_CACHE_DIR" && find . -type f ! -name '*.ttir' ! -name '*.ttgir' ! -name '*.llir' ! -name '*.ptx' \
     ! -name '*.source' -print0 | tar --null -T - -I 'xz -T0' -cf -) | split -b 15m -d - "$OUT/triton.tar.xz."
+  python3 bench/fla_autotune.py record "$TRITON_CACHE_DIR" --out "$OUT/fla_autotune.json" \
+    --gpu "$(python3 -c 'import torch; print(torch.cuda.get_device_name())')" | tail -1
 }
 trap save_triton_cache EXIT
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -61,11 +67,16 @@ if [[ $what == fla_warm ]]; then
   # FLA's half of bench/grad_accuracy.py, two steps of FLA's model. Each step under its own limit
   # (FLA_LIMIT, seconds), so that a slow compile still leaves the cache of the others.
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
-  FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-240} python3 -m pytest -q bench/test_train.py -k "not flashkda" \
-    -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc 2>&1 | tail -1
-  timeout ${FLA_LIMIT:-240} python3 bench/grad_accuracy.py --impls fla --json "$OUT/grad_fla.json" 2>&1 \
+  # The cache is saved after each step too: a call stopped by the machine's own limit runs no trap.
+  # pytest's faulthandler prints where a row still is after FLA_LIMIT - 20 seconds.
+  FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-170} python3 -m pytest -q bench/test_train.py -k "not flashkda ${FLA_K:+and ($FLA_K)}" \
+    -o faulthandler_timeout=$(( ${FLA_LIMIT:-170} - 20 )) \
+    -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc 2>&1 | tail -30
+  save_triton_cache
+  timeout ${FLA_LIMIT:-170} python3 bench/grad_accuracy.py --impls fla --json "$OUT/grad_fla.json" 2>&1 \
     | grep -v -i warn | tail -6
-  timeout ${FLA_LIMIT:-240} python3 bench/train_fla_model.py --warm 2>&1 | grep -v -i warn | tail -2
+  save_triton_cache
+  timeout ${FLA_LIMIT:-170} python3 bench/train_fla_model.py --warm 2>&1 | grep -v -i warn | tail -2
   echo "fla_warm: $(( $(date +%s) - t0 )) s"
 fi
 if [[ $what == all || $what == tests ]]; then
@@ -179,7 +190,7 @@ if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fw
   tail -3 "$OUT/train_tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/train_tests.log" | head -12 | cut -c1-300
   timeout 150 python3 bench/grad_accuracy.py --impls "${GRAD_IMPLS:-flashkda,fla}" --json "$OUT/grad.json" 2>&1 | grep -v -i warn | tee "$OUT/grad.txt"
   FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-240} python3 -m pytest -q bench/test_train.py ${TRAIN_K:+-k "$TRAIN_K"} \
-    -p no:cacheprovider --flashkda-results "$OUT/train.json" --benchmark-disable-gc 2>&1 | tail -2
+    -o faulthandler_timeout=$(( ${BENCH_LIMIT:-240} - 20 )) -p no:cacheprovider --flashkda-results "$OUT/train.json" --benchmark-disable-gc 2>&1 | tail -2
   python3 bench/report.py "$OUT/train.json" --markdown "$OUT/train_table.md" >/dev/null && cat "$OUT/train_table.md"
   if [[ ${SANITIZE:-0} == 1 ]]; then  # memcheck + racecheck on every kernel path, the backward's included
     for tool in memcheck racecheck; do

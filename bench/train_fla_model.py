@@ -42,6 +42,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import fla_autotune  # noqa: E402
 from fla.models import KDAConfig, KDAForCausalLM  # noqa: E402
 from flashkda.integrations import fla as integ  # noqa: E402
 
@@ -129,6 +130,7 @@ def main():
     ap.add_argument("--gate", choices=list(GATES), default="lower_bound")
     ap.add_argument("--warm", action="store_true", help="two steps on FLA's kernels, nothing recorded")
     args = ap.parse_args()
+    print(f"fla_autotune: {fla_autotune.pin()} tuning keys of FLA's kernels pinned")
     if args.warm:
         r = train("0", 0, 2, args.layers, args.gate)
         print(f"warm-up on FLA's kernels: {len(r['losses'])} steps, loss {r['losses'][-1]:.4f}")

@@ -161,8 +161,9 @@ def forward_records(B: int, T: int, N: int, HV: int, varlen: bool, device) -> Op
 
 def _gate_bounded(use_gate_in_kernel: bool, lower_bound: Optional[float]) -> bool:
     """Whether the gate itself keeps every 16 tokens' log decay within the backward kernels' span
-    (a lower bound, at least -5 a token): no look at the data."""
-    return (use_gate_in_kernel and lower_bound is not None
+    (a lower bound, at least -5 a token): no look at the data. Without the extension, no kernels:
+    False."""
+    return (_ext.HAS_EXTENSION and use_gate_in_kernel and lower_bound is not None
             and -lower_bound * _SUB_CHUNK <= _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN)
 
 
