@@ -582,7 +582,8 @@ class Boundary(NamedTuple):
 def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary: Optional[Boundary] = None):
     """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·], dS0)``, fp32 but dv in v's
     dtype where that is bf16 or fp16 (the kernel rounds it once, as the final cast would), from the
-    preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group), the initial state
+    preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group; a scalar gate's log
+    decay ``[B, T, HV]``, and then its gradient, summed over the key channels, too), the initial state
     ``S0`` and the final state's gradient ``dS`` ``[N, HV, K, V]`` (fp32), and ``do`` (None: zero).
 
     The states at chunk starts and the gradients of the states after chunks are ``boundary``
@@ -599,14 +600,17 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     def flat(x, d):
         return x.reshape(rows, HV, d).to(f32).contiguous()
 
-    q32, k32, g32 = flat(qp, K), flat(kp, K), flat(gp, K)
+    scalar_gate = gp.dim() == 3  # [B, T, HV]: the kernel reads it for every key channel, sums its gradient
+    q32, k32 = flat(qp, K), flat(kp, K)
+    g32 = gp.reshape(rows, HV).to(f32).contiguous() if scalar_gate else flat(gp, K)
     b32 = bp.reshape(rows, HV).to(f32).contiguous()
     # v and dO in their own dtype: the kernel takes them as bf16 operands (others rounded by the op).
     v16 = v.reshape(rows, HV, V).contiguous()
     dO = v16.new_zeros(rows, HV, V) if do is None else do.reshape(rows, HV, V).contiguous()
     bos, length, seq_first, seq_chunks, N, C = _kernel_chunks(B, T, opts.cu_seqlens, qp.device)
     if C == 0 or rows == 0:  # no token: the initial state's gradient is the final state's
-        return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V, K)), b32.new_zeros(B, T, HV), dS.clone())
+        return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V)), torch.zeros_like(gp, dtype=f32),
+                b32.new_zeros(B, T, HV), dS.clone())
     if boundary is not None:
         states, nexts, dS0 = boundary
     else:
@@ -617,7 +621,7 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
         del D, Y
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 1, states, nexts,
                                                   _chunks_cover_every_token(opts, rows))
-    return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(B, T, HV, K),
+    return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(gp.shape),
             db.view(B, T, HV), dS0)
 
 
@@ -699,7 +703,9 @@ def _torch_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary:
         flat.index_add_(0, rows.reshape(-1), x.permute(0, 2, 3, 1, 4).reshape(-1, HV, D))
         return flat[:-1].view(B, T, HV, D)
 
-    qc, kc, vc, gc = chunks(qp), chunks(kp), chunks(v.to(f32)), chunks(gp)
+    scalar_gate = gp.dim() == 3
+    qc, kc, vc = chunks(qp), chunks(kp), chunks(v.to(f32))
+    gc = chunks(gp[..., None].expand(B, T, HV, K) if scalar_gate else gp)
     bc = chunks(bp[..., None])[..., 0]
     pivot = _pivot_safe(gc, opts.use_gate_in_kernel and opts.lower_bound is not None)
     dec = _decays(gc, pivot)
@@ -717,7 +723,8 @@ def _torch_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary:
         states = _state_scan(loc, D, S0)
         dS_next, dS0 = _state_grad_scan(loc, D, dO, dS)
     dqc, dkc, dvc, dgc, dbc = _chunk_local_backward(loc, dec, qc, kc, vc, bc, states, dO, dS_next)
-    return tokens(dqc), tokens(dkc), tokens(dvc), tokens(dgc), tokens(dbc[..., None])[..., 0], dS0
+    dg = tokens(dgc.sum(-1, keepdim=True))[..., 0] if scalar_gate else tokens(dgc)
+    return tokens(dqc), tokens(dkc), tokens(dvc), dg, tokens(dbc[..., None])[..., 0], dS0
 
 
 def _per_sequence(x: torch.Tensor, seq_first: torch.Tensor, seq_chunks: torch.Tensor, J: int) -> torch.Tensor:
@@ -848,19 +855,17 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
                                                  lambda: _ext.chunk_bwd_inputs_op(*raw, *flags))
         else:
             qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
-        gate = gp[..., 0] if g.dim() == 3 else gp  # a scalar gate's spans are its head's
     else:
         qp, kp, gp, bp = preprocess(
             q, k, g, beta, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
             use_gate_in_kernel=opts.use_gate_in_kernel, A_log=gate_A, dt_bias=gate_dt, lower_bound=opts.lower_bound,
             use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
             dtype=f32)
-        gate = gp  # the spans are checked on the gate as given: a scalar gate's are its head's
-        if gp.dim() == 3:  # GDN: one decay per head for every key channel
-            gp = gp[..., None].expand(B, T, HV, K)
         if group > 1:
             qp, kp = qp.repeat_interleave(group, dim=2), kp.repeat_interleave(group, dim=2)
-    gate_why = None if device_why else _gate_shortfall(opts, gate, gate_within)
+    # gp: [B, T, HV, K], or [B, T, HV] for a scalar gate (GDN), whose spans are then its head's and
+    # whose gradient comes back summed over the key channels.
+    gate_why = None if device_why else _gate_shortfall(opts, gp, gate_within)
     why = device_why or pass_why or gate_why
     # The states at chunk boundaries from the kernels (the forward's records, chunk_state_grad)
     # wherever the gate allows the bf16 path, also when only the gradients pass does not fit the
@@ -883,8 +888,6 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     else:
         if group > 1:  # GVA: the heads that share q and k add up
             dq, dk = (x.view(B, T, H, group, K).sum(3) for x in (dq, dk))
-        if g.dim() == 3:
-            dgp = dgp.sum(-1)
         dq, dk, dg, dbeta, dA_log, ddt_bias = _preprocess_grads(opts, q, k, g, beta, gate_A, gate_dt, dq, dk, dgp,
                                                                 dbp)
     dh0 = None if initial_state is None else (dS0.transpose(-1, -2) if opts.state_v_first else dS0)

@@ -25,9 +25,13 @@ def _chunk_index(bos: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Te
 
 
 def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None, every_token=False):
-    """What ``torch.ops.flashkda.chunk_local_grad`` computes, from flashkda.autograd's chunk math."""
+    """What ``torch.ops.flashkda.chunk_local_grad`` computes, from flashkda.autograd's chunk math (a
+    scalar gate ``[rows, HV]`` for every key channel, its gradient summed over them)."""
     rows, HV, K = q.shape
     v, dO = v.to(q.dtype), dO.to(q.dtype)  # the op takes them in any float dtype
+    scalar_gate = g.dim() == 2
+    if scalar_gate:
+        g = g[..., None].expand(rows, HV, K)
     idx = _chunk_index(bos, length, rows)
 
     def chunks(x):  # [rows, HV, D] -> [chunks, HV, CHUNK, D]
@@ -47,7 +51,8 @@ def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, 
         D = torch.diag_embed(loc.decay) - loc.kd.transpose(-1, -2) @ loc.w
         return [D, loc.kd.transpose(-1, -2) @ loc.u, (loc.qg - loc.M @ loc.w).transpose(-1, -2) @ dOc]
     grads = ag._chunk_local_backward(loc, dec, qc, kc, vc, bc, states, dOc, dstates)
-    return [tokens(x) for x in grads[:4]] + [tokens(grads[4][..., None])[..., 0]]
+    dg = tokens(grads[3].sum(-1, keepdim=True))[..., 0] if scalar_gate else tokens(grads[3])
+    return [tokens(x) for x in grads[:3]] + [dg, tokens(grads[4][..., None])[..., 0]]
 
 
 def state_scan_reference(maps, offsets, start, seq_first, seq_chunks, reverse):
@@ -83,9 +88,7 @@ def token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags):
                                 use_gate_in_kernel=o.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
                                 lower_bound=o.lower_bound, use_beta_sigmoid_in_kernel=o.use_beta_sigmoid_in_kernel,
                                 allow_neg_eigval=o.allow_neg_eigval, dtype=torch.float32)
-    group = v.shape[2] // q.shape[2]
-    if gp.dim() == 3:
-        gp = gp[..., None].expand(*gp.shape, q.shape[-1])
+    group = v.shape[2] // q.shape[2]  # a scalar gate's ĝ: [B, T, HV]
     return [qp.repeat_interleave(group, 2), kp.repeat_interleave(group, 2), gp.contiguous(), bp]
 
 
@@ -95,8 +98,6 @@ def token_grads_reference(q, k, v, g, beta, A_log, dt_bias, dq, dk, dg, dbeta, *
     o = _ref_options(*flags)
     B, T, H, K = q.shape
     dq, dk = (x.view(B, T, H, v.shape[2] // H, K).sum(3) for x in (dq, dk))
-    if g.dim() == 3:
-        dg = dg.sum(-1)
     A_log, dt_bias = (A_log, dt_bias) if o.use_gate_in_kernel else (None, None)
     dq, dk, dg, dbeta, dA, ddt = ag._preprocess_grads(o, q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta)
     HV = v.shape[2]
@@ -145,7 +146,7 @@ def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0
         f32 = torch.float32
         dO = torch.zeros(rows, HV, v.shape[-1], dtype=f32) if do is None else do.reshape(rows, HV, -1).to(f32)
         bos, length, first, count, N, _ = ag._kernel_chunks(B, T, opts.cu_seqlens, q.device)
-        flat = [x.reshape(rows, HV, -1).to(f32) for x in (qp, kp, v, gp)]
+        flat = [x.reshape(rows, HV, -1).to(f32) for x in (qp, kp, v)] + [gp.reshape(rows, HV, *gp.shape[3:]).to(f32)]
         maps, offsets, Y = local_grad_reference(*flat, bp.reshape(rows, HV).to(f32), dO, bos, length, 0)
         (states,) = state_scan_reference(maps, offsets, S0, first, count, False)
         nexts, dS0 = state_scan_reference(maps, Y, dS, first, count, True)
@@ -243,16 +244,20 @@ KERNEL_TOL = 1e-2
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("scalar_gate", [False, True], ids=["kda", "gdn"])
 @pytest.mark.parametrize("decay", [5.0, 0.05], ids=["strong", "weak"])
-def test_kernel_passes_match_reference(decay):
+def test_kernel_passes_match_reference(decay, scalar_gate):
     """Both passes of the kernel against the fp64 reference of the same math, on varlen chunks
     (1, 17, 0, 97, 130, 64 tokens; GVA-like heads), log decays down to -5 a token (the widest span
-    the kernel takes, 80 over 16 tokens) and weak ones."""
+    the kernel takes, 80 over 16 tokens) and weak ones, per key channel or one per token and head
+    (a scalar gate, whose gradient the kernel sums over the channels)."""
     if _ext.chunk_bwd_shortfall(torch.cuda.current_device()) is not None:
         pytest.skip(_ext.chunk_bwd_shortfall(torch.cuda.current_device()))
     K = 128
     (q, k, v, g, beta, dO), bos, length, chunks = _problem([1, 17, 0, 97, 130, 64], 3, K, "cuda", torch.float32,
                                                              seed=11, decay=decay)
+    if scalar_gate:
+        g = g[..., 0].contiguous()
     ref_in = [x.double().cpu() for x in (q, k, v, g, beta, dO)]
     bos_c, len_c = bos.cpu(), length.cpu()
     for poison in range(2):  # fresh outputs every call; run twice so stale memory cannot pass
@@ -350,7 +355,7 @@ def test_token_passes_match_reference(case):
     for name, a, b in zip(["q_hat", "k_hat", "g_hat", "beta_hat"], got, want):
         assert a.shape == b.shape and a.dtype == torch.float32, name
         assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
-    dhat = [rnd(B, T, HV, K), rnd(B, T, HV, K), rnd(B, T, HV, K), rnd(B, T, HV)]
+    dhat = [rnd(B, T, HV, K), rnd(B, T, HV, K), rnd(B, T, HV) if scalar else rnd(B, T, HV, K), rnd(B, T, HV)]
     want = token_grads_reference(*raw, *dhat, *flags)
     _ext.chunk_bwd_input_grads_op(*raw, *(-x for x in dhat), *flags)
     got = _ext.chunk_bwd_input_grads_op(*raw, *dhat, *flags)

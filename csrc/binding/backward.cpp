@@ -37,14 +37,19 @@ void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bo
 // `states` and `dstates` [chunks, HV, D, D] fp32 or bf16): returns [dq, dk, dv, dg, dbeta] in the token
 // layout of the inputs, fp32 but dv in v's dtype where that is bf16 or fp16 (zeros for tokens in no
 // chunk; `every_token`: the chunks cover every token, and nothing is zero-filled). Inputs:
-// chunk_bwd_params.h.
+// chunk_bwd_params.h; g [rows, HV] is a scalar gate (dg then [rows, HV] too).
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
                                          const std::optional<at::Tensor>& states,
                                          const std::optional<at::Tensor>& dstates, bool every_token) {
   TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&g, "g"}}) check_tokens(*t, q, name, true);
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}}) check_tokens(*t, q, name, true);
+  const bool scalar_gate = g.dim() == 2;  // [rows, HV]: one log decay for every key channel
+  check_tokens(g, q, "g", !scalar_gate);
+  // The transitions pass reads a gate per key channel: a scalar one is spread over them here.
+  const at::Tensor g_read =
+      scalar_gate && pass == 0 ? g.unsqueeze(-1).expand({g.size(0), g.size(1), chunk::kHeadDim}).contiguous() : g;
   // v and dO: any float dtype; the kernel reads bf16, its operand type (others rounded here).
   check_tokens(v, q, "v", true, true);
   check_tokens(dO, q, "dO", true, true);
@@ -62,7 +67,7 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
   p.q = q.data_ptr<float>();
   p.k = k.data_ptr<float>();
   p.v = reinterpret_cast<const __nv_bfloat16*>(v16.data_ptr());
-  p.g = g.data_ptr<float>();
+  p.g = g_read.data_ptr<float>();
   p.beta = beta.data_ptr<float>();
   p.dO = reinterpret_cast<const __nv_bfloat16*>(dO16.data_ptr());
   p.chunk_bos = chunk_bos.data_ptr<int64_t>();
@@ -101,7 +106,8 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                          : at::zeros(like.sizes(), like.options().dtype(type));
     };
     const bool dv16 = v.scalar_type() == at::kBFloat16 || v.scalar_type() == at::kHalf;
-    for (int i = 0; i < 4; ++i) out.push_back(make(q, i == 2 && dv16 ? v.scalar_type() : at::kFloat));
+    for (int i = 0; i < 3; ++i) out.push_back(make(q, i == 2 && dv16 ? v.scalar_type() : at::kFloat));
+    out.push_back(make(scalar_gate ? beta : q, at::kFloat));  // dg: g's shape
     out.push_back(make(beta, at::kFloat));
     p.dq = out[0].data_ptr<float>();
     p.dk = out[1].data_ptr<float>();
@@ -109,7 +115,8 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     p.dv_dtype = to_dtype(out[2], "dv");
     p.dg = out[3].data_ptr<float>();
     p.dbeta = out[4].data_ptr<float>();
-    err = run_chunk_local_grad<chunk_bwd::Pass::kGradients>(p, stream);
+    err = scalar_gate ? run_chunk_local_grad<chunk_bwd::Pass::kGradients, true>(p, stream)
+                      : run_chunk_local_grad<chunk_bwd::Pass::kGradients, false>(p, stream);
   }
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked backward kernel launch failed: ", cudaGetErrorString(err));
   return out;
@@ -268,7 +275,8 @@ ChunkBwdTokenParams token_params(const at::Tensor& q, const at::Tensor& k, const
 }  // namespace
 
 // The preprocessed inputs of the per-chunk passes: [q̂, k̂, ĝ, β̂], fp32, q̂ k̂ ĝ [B, T, HV, 128] (q̂ and
-// k̂ per value head; ĝ of every key channel), β̂ [B, T, HV] (chunk_bwd_params.h, ChunkBwdTokenParams).
+// k̂ per value head; ĝ of every key channel, or of a scalar gate [B, T, HV]), β̂ [B, T, HV]
+// (chunk_bwd_params.h, ChunkBwdTokenParams).
 std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,
@@ -279,7 +287,8 @@ std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& 
   const auto f32 = q.options().dtype(at::kFloat);
   const int64_t B = q.size(0), T = q.size(1), HV = v.size(2), D = chunk::kHeadDim;
   std::vector<at::Tensor> out{at::empty({B, T, HV, D}, f32), at::empty({B, T, HV, D}, f32),
-                              at::empty({B, T, HV, D}, f32), at::empty({B, T, HV}, f32)};
+                              p.tok.scalar_gate ? at::empty({B, T, HV}, f32) : at::empty({B, T, HV, D}, f32),
+                              at::empty({B, T, HV}, f32)};
   p.q_hat = out[0].data_ptr<float>();
   p.k_hat = out[1].data_ptr<float>();
   p.g_hat = out[2].data_ptr<float>();
@@ -290,7 +299,7 @@ std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& 
   return out;
 }
 
-// The gradients of the raw inputs from those of chunk_bwd_inputs' outputs (fp32, its layout):
+// The gradients of the raw inputs from those of chunk_bwd_inputs' outputs (fp32, its layouts):
 // [dq, dk, dg, dbeta] contiguous in the shapes and dtypes of q, k, g, beta, then the per-tile sums
 // [tiles, HV] of dA_log and [tiles, HV, 128] (a scalar gate: [tiles, HV]) of ddt_bias, fp32, empty
 // where the gate does not use that parameter.
@@ -306,7 +315,7 @@ std::vector<at::Tensor> chunk_bwd_input_grads(const at::Tensor& q, const at::Ten
       token_params(q, k, v, g, beta, A_log, dt_bias, scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval);
   const int64_t HV = v.size(2), D = chunk::kHeadDim;
   for (const auto& [t, name, per_channel] :
-       {std::tuple{&dq_hat, "dq_hat", true}, {&dk_hat, "dk_hat", true}, {&dg_hat, "dg_hat", true},
+       {std::tuple{&dq_hat, "dq_hat", true}, {&dk_hat, "dk_hat", true}, {&dg_hat, "dg_hat", !p.tok.scalar_gate},
         {&dbeta_hat, "dbeta_hat", false}}) {
     check_cuda(*t, q, name);
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&

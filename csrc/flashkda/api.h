@@ -71,9 +71,10 @@ cudaError_t run_chunk_segment_scan(const ChunkParams& params, cudaStream_t strea
 int chunk_smem_bytes();
 
 // Chunked backward: the per-chunk pass ChunkBwdParams::pass (chunk_local_grad.cuh), one block per
-// (chunk, value head), K == V == chunk::kHeadDim. Its dynamic shared memory per block (bytes):
-// devices with a smaller opt-in limit (sm_80: 163 KB) cannot run it.
-template <chunk_bwd::Pass kPass>
+// (chunk, value head), K == V == chunk::kHeadDim; kScalarGate: g and dg [rows, HV] (GDN's gate, the
+// gradients pass only). Its dynamic shared memory per block (bytes): devices with a smaller opt-in
+// limit (sm_80: 163 KB) cannot run it.
+template <chunk_bwd::Pass kPass, bool kScalarGate = false>
 cudaError_t run_chunk_local_grad(const ChunkBwdParams& params, cudaStream_t stream);
 int chunk_local_grad_smem_bytes();
 // The gradients of the states at chunk boundaries, walking each sequence's chunks backwards on the

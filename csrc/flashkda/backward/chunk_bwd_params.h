@@ -36,7 +36,8 @@ struct ChunkBwdParams {
   const float* q;              // [rows, HV, D] q̂ = scale · l2norm(q)
   const float* k;              // [rows, HV, D] k̂
   const __nv_bfloat16* v;      // [rows, HV, D]
-  const float* g;              // [rows, HV, D] log decay of every token and key channel (≤ 0)
+  const float* g;              // [rows, HV, D] log decay of every token and key channel (≤ 0), or
+                               // [rows, HV] for a scalar gate (the kernel's kScalarGate): one for all
   const float* beta;           // [rows, HV]
   const __nv_bfloat16* dO;     // [rows, HV, D] gradient of the output
   // Chunks: chunk c holds tokens chunk_bos[c] .. chunk_bos[c] + chunk_len[c] - 1 (len 0: an empty
@@ -60,7 +61,7 @@ struct ChunkBwdParams {
   float* dk;        // [rows, HV, D]
   void* dv;         // [rows, HV, D] in dv_dtype
   DType dv_dtype;
-  float* dg;        // [rows, HV, D]
+  float* dg;        // [rows, HV, D] (a scalar gate: [rows, HV], the sum over the key channels)
   float* dbeta;     // [rows, HV]
 };
 
@@ -98,7 +99,8 @@ struct ChunkBwdTokenParams {
   RecurrentParams tok;
   DType qk_dtype;  // of q and k
   int64_t rows;    // B * T
-  // kInputs: outputs, fp32, [rows, HV, D] (β̂: [rows, HV]); q̂ and k̂ per value head.
+  // kInputs: outputs, fp32, [rows, HV, D] (β̂, and ĝ of a scalar gate: [rows, HV]); q̂ and k̂ per
+  // value head.
   float* q_hat;
   float* k_hat;
   float* g_hat;

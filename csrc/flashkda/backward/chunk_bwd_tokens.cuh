@@ -2,8 +2,8 @@
 // (chunk_bwd_params.h, ChunkBwdTokenParams):
 //   inputs   the preprocessed fp32 tensors the passes read: q̂ = scale · l2norm(q), k̂ = l2norm(k)
 //            (each repeated over the value heads of its group), the log decay ĝ of every key channel
-//            (a scalar gate's for all of them) and β̂, computed as the forward kernels compute them
-//            (token_math.cuh);
+//            (a scalar gate's: one per token and head) and β̂, computed as the forward kernels
+//            compute them (token_math.cuh);
 //   grads    the passes' gradients back through that preprocessing (docs/SPEC.md, "Gradients"):
 //            dq, dk (summed over each group, through the l2 norm), dg through the gate function,
 //            dβ through the sigmoid, written in the raw inputs' dtypes, and the gate parameters'
@@ -102,7 +102,10 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkB
   }
   float decay[4];
   log_decays(t, raw, bias, gate_scale(t, hv), decay);
-  store_floats<4>(p.g_hat + out, decay);
+  if (!t.scalar_gate)
+    store_floats<4>(p.g_hat + out, decay);
+  else if (lane == 0)
+    p.g_hat[row * t.HV + hv] = decay[0];
   if (lane == 0) p.beta_hat[row * t.HV + hv] = beta_value(t, beta_raw);
 }
 
@@ -196,7 +199,12 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
     for (int r = 0; r < kRowsInFlight; ++r) {
       const int64_t row = tile * kBwdTokenTileRows + (i0 + r) * kWarps + warp;
       if (row >= p.rows) continue;  // (not break: the loop stays unrolled, its arrays in registers)
-      load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dys[r]);
+      if (t.scalar_gate) {  // the head's one gradient, in every lane (summed over the channels already)
+        dys[r][0] = p.dg_hat[row * t.HV + hv];
+        dys[r][1] = dys[r][2] = dys[r][3] = 0.f;
+      } else {
+        load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dys[r]);
+      }
       load_gate(p, row, hv, c0, raws[r]);
       if (lane == 0) {
         dbeta_hat[r] = p.dbeta_hat[row * t.HV + hv];
@@ -207,13 +215,9 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
     for (int r = 0; r < kRowsInFlight; ++r) {
       const int64_t row = tile * kBwdTokenTileRows + (i0 + r) * kWarps + warp;
       if (row >= p.rows) continue;
-      float (&dy)[4] = dys[r];
+      const float (&dy)[4] = dys[r];
       const float (&raw)[4] = raws[r];
       float x[4], dx[4], da = 0.f;
-      if (t.scalar_gate) {  // one decay for every channel: its gradient is their sum
-        dy[0] = group_sum<32>(dy[0] + dy[1] + dy[2] + dy[3]);
-        dy[1] = dy[2] = dy[3] = 0.f;
-      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) x[e] = raw[e] + bias[e];
       switch (t.gate_mode) {

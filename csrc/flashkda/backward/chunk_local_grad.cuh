@@ -231,6 +231,12 @@ struct Block {
   // Element offset of this (chunk, head)'s [kHeadDim][kHeadDim] matrix in a chunk-state tensor.
   __device__ __forceinline__ int64_t state_at() const { return (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim); }
   __device__ __forceinline__ float load(const float* x, int t, int c) const { return t < len ? __ldg(x + at(t, c)) : 0.f; }
+  // The log decay of token t, key channel c (a scalar gate: the token's one value).
+  template <bool kScalarGate>
+  __device__ __forceinline__ float load_gate(int t, int c) const {
+    if (t >= len) return 0.f;
+    return kScalarGate ? __ldg(p.g + (bos + t) * p.HV + hv) : __ldg(p.g + at(t, c));
+  }
   // Channels c, c + 1 (c even) of token t.
   __device__ __forceinline__ float2 load2(const float* x, int t, int c) const {
     return t < len ? __ldg(reinterpret_cast<const float2*>(x + at(t, c))) : make_float2(0.f, 0.f);
@@ -386,7 +392,8 @@ __device__ __forceinline__ void gram_grad(const Block& blk, float (&out)[1][Chun
   }
 }
 
-template <Pass kPass>
+// kScalarGate: g and dg hold one log decay per (token, head) for every key channel (GDN).
+template <Pass kPass, bool kScalarGate>
 __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const ChunkBwdParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x;
@@ -416,7 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     float* total = A;  // [kSubChunks][kHeadDim], until the M / A products
     float run[kSubChunk];
 #pragma unroll
-    for (int t = 0; t < kSubChunk; ++t) run[t] = blk.load(p.g, own_a * kSubChunk + t, own_c);
+    for (int t = 0; t < kSubChunk; ++t) run[t] = blk.load_gate<kScalarGate>(own_a * kSubChunk + t, own_c);
     stage_qk();  // after the loads that the sums wait for
 #pragma unroll
     for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
@@ -836,9 +843,28 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
 #pragma unroll
       for (int a = 1; a < kSubChunks; ++a)
         if (a > own_a) after += total[a * kHeadDim + own_c];
+      if constexpr (!kScalarGate) {
 #pragma unroll
-      for (int t = 0; t < kSubChunk; ++t)
-        if (t0 + t < len) p.dg[blk.at(t0 + t, own_c)] = after + run[t];
+        for (int t = 0; t < kSubChunk; ++t)
+          if (t0 + t < len) p.dg[blk.at(t0 + t, own_c)] = after + run[t];
+      } else {  // the sum over the key channels: a warp's 32 by shuffles, the sub-chunk's four warps
+        // through shared memory (over dgamma, read by every thread before the barrier above)
+        static_assert(kHeadDim == 4 * 32, "a sub-chunk's threads: four warps, a quarter of the channels each");
+        float* part = dgamma;  // [kChunk][4]
+        const int lane = tid & 31, quarter = own_c / 32;
+#pragma unroll
+        for (int t = 0; t < kSubChunk; ++t) {
+          float x = after + run[t];
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+          if (lane == 0) part[(t0 + t) * 4 + quarter] = x;
+        }
+        __syncthreads();
+        if (tid < len) {
+          const float* x = part + tid * 4;
+          p.dg[(blk.bos + tid) * p.HV + blk.hv] = (x[0] + x[1]) + (x[2] + x[3]);
+        }
+      }
     }
     if (tid < kChunk && tid < len) p.dbeta[(blk.bos + tid) * p.HV + blk.hv] = blk.dbeta()[tid];
   }
@@ -846,11 +872,11 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
 
 }  // namespace chunk_bwd
 
-template <chunk_bwd::Pass kPass>
+template <chunk_bwd::Pass kPass, bool kScalarGate>
 cudaError_t run_chunk_local_grad(const ChunkBwdParams& p, cudaStream_t stream) {
   using namespace chunk_bwd;
   if (p.chunks == 0 || p.HV == 0) return cudaSuccess;
-  const auto kernel = chunk_local_grad_kernel<kPass>;
+  const auto kernel = chunk_local_grad_kernel<kPass, kScalarGate>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SmemLayout::kBytes);
   if (err != cudaSuccess) return err;
   kernel<<<dim3(unsigned(p.chunks), unsigned(p.HV)), kThreads, SmemLayout::kBytes, stream>>>(p);
