@@ -73,10 +73,11 @@ if [[ $what == fla_warm ]]; then
     -o faulthandler_timeout=$(( ${FLA_LIMIT:-170} - 20 )) \
     -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc 2>&1 | tail -30
   save_triton_cache
-  timeout ${FLA_LIMIT:-170} python3 bench/grad_accuracy.py --impls fla --json "$OUT/grad_fla.json" 2>&1 \
-    | grep -v -i warn | tail -6
+  # SIGABRT at the limit: Python's faulthandler prints where each thread was.
+  timeout -s ABRT ${FLA_LIMIT:-170} python3 -X faulthandler bench/grad_accuracy.py --impls fla --json "$OUT/grad_fla.json" \
+    2>&1 | grep -v -i warn | tail -30
   save_triton_cache
-  timeout ${FLA_LIMIT:-170} python3 bench/train_fla_model.py --warm 2>&1 | grep -v -i warn | tail -2
+  timeout -s ABRT ${FLA_LIMIT:-170} python3 -X faulthandler bench/train_fla_model.py --warm 2>&1 | grep -v -i warn | tail -30
   echo "fla_warm: $(( $(date +%s) - t0 )) s"
 fi
 if [[ $what == all || $what == tests ]]; then
