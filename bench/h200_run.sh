@@ -186,6 +186,8 @@ if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fw
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}  # every step's log also in $OUT (a time-out keeps it)
   [[ ${HARNESS:-0} == 1 ]] && timeout 120 bash bench/harness/run_local_grad.sh 2>&1 | tail -24 | tee "$OUT/local_grad.txt"
   timeout 120 python3 bench/train_profile.py 2>&1 | grep -v -i warn | tee "$OUT/train_profile.txt" | head -24
+  timeout 120 python3 bench/train_profile.py --case train_gdn_T8k_H32 --top 10 2>&1 | grep -v -i warn \
+    | tee "$OUT/train_profile_gdn.txt" | head -16
   timeout ${TEST_LIMIT:-300} python3 -m pytest -q ${TESTS:-tests/test_autograd.py tests/test_api.py tests/test_fla_backend.py} \
     -m "${TEST_MARK-not slow}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider >"$OUT/train_tests.log" 2>&1
   tail -3 "$OUT/train_tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/train_tests.log" | head -12 | cut -c1-300
