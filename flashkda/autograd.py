@@ -597,13 +597,11 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     rows = B * T
     f32 = torch.float32
 
-    def flat(x, d):
-        return x.reshape(rows, HV, d).to(f32).contiguous()
+    def flat(x):  # [B, T, HV, ·] -> [rows, HV, ·] fp32
+        return x.reshape(rows, HV, *x.shape[3:]).to(f32).contiguous()
 
-    scalar_gate = gp.dim() == 3  # [B, T, HV]: the kernel reads it for every key channel, sums its gradient
-    q32, k32 = flat(qp, K), flat(kp, K)
-    g32 = gp.reshape(rows, HV).to(f32).contiguous() if scalar_gate else flat(gp, K)
-    b32 = bp.reshape(rows, HV).to(f32).contiguous()
+    # A scalar gate stays [rows, HV]: the kernel reads it for every key channel and sums its gradient.
+    q32, k32, g32, b32 = flat(qp), flat(kp), flat(gp), flat(bp)
     # v and dO in their own dtype: the kernel takes them as bf16 operands (others rounded by the op).
     v16 = v.reshape(rows, HV, V).contiguous()
     dO = v16.new_zeros(rows, HV, V) if do is None else do.reshape(rows, HV, V).contiguous()

@@ -231,11 +231,13 @@ struct Block {
   // Element offset of this (chunk, head)'s [kHeadDim][kHeadDim] matrix in a chunk-state tensor.
   __device__ __forceinline__ int64_t state_at() const { return (chunk * p.HV + hv) * int64_t(kHeadDim * kHeadDim); }
   __device__ __forceinline__ float load(const float* x, int t, int c) const { return t < len ? __ldg(x + at(t, c)) : 0.f; }
+  // Element offset of token t of this head in a [rows, HV] tensor (β, and a scalar gate's g and dg).
+  __device__ __forceinline__ int64_t head_at(int t) const { return (bos + t) * p.HV + hv; }
   // The log decay of token t, key channel c (a scalar gate: the token's one value).
   template <bool kScalarGate>
   __device__ __forceinline__ float load_gate(int t, int c) const {
     if (t >= len) return 0.f;
-    return kScalarGate ? __ldg(p.g + (bos + t) * p.HV + hv) : __ldg(p.g + at(t, c));
+    return kScalarGate ? __ldg(p.g + head_at(t)) : __ldg(p.g + at(t, c));
   }
   // Channels c, c + 1 (c even) of token t.
   __device__ __forceinline__ float2 load2(const float* x, int t, int c) const {
@@ -429,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
     total[own_a * kHeadDim + own_c] = run[kSubChunk - 1];
     if (tid < kChunk) {
-      blk.beta()[tid] = tid < len ? __ldg(p.beta + (blk.bos + tid) * p.HV + blk.hv) : 0.f;
+      blk.beta()[tid] = tid < len ? __ldg(p.beta + blk.head_at(tid)) : 0.f;
       blk.dbeta()[tid] = 0.f;
     }
     if (tid < kHeadDim) blk.end()[tid] = 0.f;
@@ -862,11 +864,11 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
         __syncthreads();
         if (tid < len) {
           const float* x = part + tid * 4;
-          p.dg[(blk.bos + tid) * p.HV + blk.hv] = (x[0] + x[1]) + (x[2] + x[3]);
+          p.dg[blk.head_at(tid)] = (x[0] + x[1]) + (x[2] + x[3]);
         }
       }
     }
-    if (tid < kChunk && tid < len) p.dbeta[(blk.bos + tid) * p.HV + blk.hv] = blk.dbeta()[tid];
+    if (tid < kChunk && tid < len) p.dbeta[blk.head_at(tid)] = blk.dbeta()[tid];
   }
 }
 
