@@ -13,6 +13,9 @@ baselines run at the speed of FLA's autotuned kernels from the first call.
 
     import fla_autotune; fla_autotune.pin()   # after FLA's modules are imported
         sets the recorded winner of each tuning key of this GPU model into FLA's autotuners
+    fla_autotune.watch(60)   # (bench/conftest.py: FLA_AUTOTUNE_WATCH=60)
+        prints each config FLA's autotuners time, as they time it, and where the process waits
+        when one config takes longer than 60 s
 
 A winner is set only where the autotuner still offers that config (same kwargs, warps, stages,
 CTAs, register cap); any other key autotunes as before. Benchmarks pin this GPU model's winners
@@ -115,6 +118,40 @@ def pin(gpu: str | None = None, any_gpu: bool = False, path: Path = RECORDS) -> 
                     tuner.cache[tuple(json.loads(key))] = config
                     pinned.add((id(tuner), key))
     return len(pinned)
+
+
+def watch(limit_s: float) -> int:
+    """Makes FLA's imported autotuners print every config they benchmark (kernel, tuning key's
+    scalars, config, its time, seconds since the key's first config) and arms Python's
+    faulthandler for each: a config still compiling or running after ``limit_s`` seconds prints
+    every thread's stack (the process goes on). Returns the number of autotuners watched."""
+    import faulthandler
+    import time
+
+    stderr = sys.__stderr__  # the process's own: pytest's captured stream has no file descriptor
+
+    count = 0
+    for name, tuner in _autotuners():
+        if getattr(tuner, "_fla_autotune_watched", False):
+            continue
+
+        def bench(*args, _orig=tuner._bench, _name=name, _tuner=tuner, config=None, **kwargs):
+            scalars = [v for k, v in _tuner.nargs.items() if k in _tuner.keys]
+            start = time.perf_counter()
+            print(f"fla_autotune: {_name} {scalars} {config} ...", file=stderr, flush=True)
+            faulthandler.dump_traceback_later(limit_s, exit=False, file=stderr)
+            try:
+                result = _orig(*args, config=config, **kwargs)
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            print(f"fla_autotune: {_name} {scalars} {config}: {result} ({time.perf_counter() - start:.1f} s)",
+                  file=stderr, flush=True)
+            return result
+
+        tuner._bench = bench
+        tuner._fla_autotune_watched = True
+        count += 1
+    return count
 
 
 def main():

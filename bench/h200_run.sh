@@ -16,8 +16,9 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # host paths), PREPARE_CLOCKS=1 the tree's phase clocks; with AB_APPLY=one of them, that patch
 # applied to the tree, then the chunk tests, the sanitizers and prefill_quick)
 # | fla_warm (no build: FLA's training rows, FLA's half of bench/grad_accuracy.py and two steps of
-# FLA's model, each under FLA_LIMIT seconds (default 170: the three stay within a 600 s call), FLA_K a
-# pytest -k expression for the rows, compiling FLA's Triton kernels into the saved cache)
+# FLA's model (FLA_STEPS picks), each under FLA_LIMIT seconds (default 170: the three stay within a
+# 600 s call), FLA_K a pytest -k expression for the rows, compiling FLA's Triton kernels into the
+# saved cache)
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
@@ -69,15 +70,25 @@ if [[ $what == fla_warm ]]; then
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}
   # The cache is saved after each step too: a call stopped by the machine's own limit runs no trap.
   # pytest's faulthandler prints where a row still is after FLA_LIMIT - 20 seconds.
-  FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-170} python3 -m pytest -q bench/test_train.py -k "not flashkda ${FLA_K:+and ($FLA_K)}" \
-    -o faulthandler_timeout=$(( ${FLA_LIMIT:-170} - 20 )) \
-    -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc 2>&1 | tail -30
-  save_triton_cache
-  # SIGABRT at the limit: Python's faulthandler prints where each thread was.
-  timeout -s ABRT ${FLA_LIMIT:-170} python3 -X faulthandler bench/grad_accuracy.py --impls fla --json "$OUT/grad_fla.json" \
+  # FLA_STEPS picks among rows, grad, model; FLA_AUTOTUNE_WATCH (seconds, default 60) prints each
+  # config FLA's autotuners time in the rows (full log: $OUT/fla_rows.log) and the stack of one
+  # that takes longer.
+  steps=" ${FLA_STEPS:-rows grad model} "
+  if [[ $steps == *" rows "* ]]; then
+    FLA_AUTOTUNE_WATCH=${FLA_AUTOTUNE_WATCH:-60} FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-170} \
+      python3 -m pytest -q bench/test_train.py -k "not flashkda ${FLA_K:+and ($FLA_K)}" \
+      -o faulthandler_timeout=$(( ${FLA_LIMIT:-170} - 20 )) \
+      -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc >"$OUT/fla_rows.log" 2>&1
+    grep -v -i warn "$OUT/fla_rows.log" | tail -40 | cut -c1-240
+    save_triton_cache
+  fi
+  if [[ $steps == *" grad "* ]]; then  # SIGABRT at the limit: Python's faulthandler prints where each thread was.
+    timeout -s ABRT ${FLA_LIMIT:-170} python3 -X faulthandler bench/grad_accuracy.py --impls fla --json "$OUT/grad_fla.json" \
+      2>&1 | grep -v -i warn | tail -30
+    save_triton_cache
+  fi
+  [[ $steps == *" model "* ]] && timeout -s ABRT ${FLA_LIMIT:-170} python3 -X faulthandler bench/train_fla_model.py --warm \
     2>&1 | grep -v -i warn | tail -30
-  save_triton_cache
-  timeout -s ABRT ${FLA_LIMIT:-170} python3 -X faulthandler bench/train_fla_model.py --warm 2>&1 | grep -v -i warn | tail -30
   echo "fla_warm: $(( $(date +%s) - t0 )) s"
 fi
 if [[ $what == all || $what == tests ]]; then

@@ -61,3 +61,24 @@ def test_pin_sets_offered_winners_into_fla_autotuners(tmp_path, monkeypatch):
     assert fla_autotune.pin("GPU C", path=records) == 0  # benchmarks: this GPU model's winners only
     assert fla_autotune.pin("GPU C", any_gpu=True, path=records) == 2
     assert tuner.cache[(256,)] is offered[2]
+
+
+def test_watch_prints_each_config_as_it_is_timed(monkeypatch, capfd):
+    @triton.jit
+    def kda_kernel(x, N, BK: "triton.language.constexpr"):  # noqa: F821
+        pass
+
+    offered = [triton.Config({"BK": bk}, num_warps=4, num_stages=2) for bk in (32, 64)]
+    tuner = triton.autotune(configs=offered, key=["N"])(kda_kernel)
+    timed = []
+    monkeypatch.setattr(tuner, "_bench", lambda *args, config, **kw: timed.append(config) or [0.5, 0.4, 0.6],
+                        raising=False)
+    monkeypatch.setitem(sys.modules, "fla.ops.stand_in", types.SimpleNamespace(kda_kernel=tuner))
+    assert fla_autotune.watch(30) == 1
+    assert fla_autotune.watch(30) == 0  # wrapped once
+    tuner.nargs = {"x": None, "N": 4096}
+    assert tuner._bench(None, 4096, config=offered[1]) == [0.5, 0.4, 0.6]
+    assert timed == [offered[1]]
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("fla_autotune: kda_kernel [4096] ") and lines[0].endswith(" ...")
+    assert "BK: 64" in lines[1] and "[0.5, 0.4, 0.6]" in lines[1]
