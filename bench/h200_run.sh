@@ -76,7 +76,7 @@ if [[ $what == fla_warm ]]; then
   steps=" ${FLA_STEPS:-rows grad model} "
   if [[ $steps == *" rows "* ]]; then
     FLA_AUTOTUNE_WATCH=${FLA_AUTOTUNE_WATCH:-60} FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-170} \
-      python3 -m pytest -q bench/test_train.py -k "not flashkda ${FLA_K:+and ($FLA_K)}" \
+      python3 -m pytest -q -s bench/test_train.py -k "not flashkda ${FLA_K:+and ($FLA_K)}" \
       -o faulthandler_timeout=$(( ${FLA_LIMIT:-170} - 20 )) \
       -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc >"$OUT/fla_rows.log" 2>&1
     grep -v -i warn "$OUT/fla_rows.log" | tail -40 | cut -c1-240
