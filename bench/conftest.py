@@ -2,7 +2,6 @@
 the JSON file named by --flashkda-results after every record and at the end of the session."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,8 +26,6 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():  # FLA's modules are imported by now: its recorded autotuning winners
         print(f"\nfla_autotune: {fla_autotune.pin()} tuning keys of FLA's kernels pinned")
-        if os.environ.get("FLA_AUTOTUNE_WATCH"):  # seconds: FLA's autotuning printed as it goes
-            fla_autotune.watch(float(os.environ["FLA_AUTOTUNE_WATCH"]))
     else:
         skip = pytest.mark.skip(reason="benchmarks need a CUDA device")
         here = Path(__file__).parent

@@ -13,7 +13,7 @@ baselines run at the speed of FLA's autotuned kernels from the first call.
 
     import fla_autotune; fla_autotune.pin()   # after FLA's modules are imported
         sets the recorded winner of each tuning key of this GPU model into FLA's autotuners
-    fla_autotune.watch(60)   # (bench/conftest.py: FLA_AUTOTUNE_WATCH=60)
+    fla_autotune.watch(60)   # (or FLA_AUTOTUNE_WATCH=60 in the environment of pin())
         prints each config FLA's autotuners time, as they time it, and where the process waits
         when one config takes longer than 60 s
 
@@ -95,7 +95,12 @@ def _same(config, recorded: dict) -> bool:
 def pin(gpu: str | None = None, any_gpu: bool = False, path: Path = RECORDS) -> int:
     """Sets the recorded winners of ``gpu`` (default: this process's CUDA device; with ``any_gpu``,
     of every recorded GPU, this one's last) into FLA's imported autotuners. Returns how many tuning
-    keys were set (0 where nothing is recorded, FLA is not imported or there is no GPU)."""
+    keys were set (0 where nothing is recorded, FLA is not imported or there is no GPU). With
+    FLA_AUTOTUNE_WATCH (seconds) in the environment, also ``watch``es the autotuners."""
+    import os
+
+    if os.environ.get("FLA_AUTOTUNE_WATCH"):
+        watch(float(os.environ["FLA_AUTOTUNE_WATCH"]))
     try:
         import torch
 

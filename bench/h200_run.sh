@@ -71,11 +71,12 @@ if [[ $what == fla_warm ]]; then
   # The cache is saved after each step too: a call stopped by the machine's own limit runs no trap.
   # pytest's faulthandler prints where a row still is after FLA_LIMIT - 20 seconds.
   # FLA_STEPS picks among rows, grad, model; FLA_AUTOTUNE_WATCH (seconds, default 60) prints each
-  # config FLA's autotuners time in the rows (full log: $OUT/fla_rows.log) and the stack of one
-  # that takes longer.
+  # config FLA's autotuners time (the rows' full log: $OUT/fla_rows.log) and the stack of one that
+  # takes longer.
   steps=" ${FLA_STEPS:-rows grad model} "
+  export FLA_AUTOTUNE_WATCH=${FLA_AUTOTUNE_WATCH:-60}
   if [[ $steps == *" rows "* ]]; then
-    FLA_AUTOTUNE_WATCH=${FLA_AUTOTUNE_WATCH:-60} FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-170} \
+    FLASHKDA_FLA_BACKEND=0 timeout ${FLA_LIMIT:-170} \
       python3 -m pytest -q -s bench/test_train.py -k "not flashkda ${FLA_K:+and ($FLA_K)}" \
       -o faulthandler_timeout=$(( ${FLA_LIMIT:-170} - 20 )) \
       -p no:cacheprovider --flashkda-results "$OUT/train_fla.json" --benchmark-disable-gc >"$OUT/fla_rows.log" 2>&1
