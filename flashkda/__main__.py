@@ -81,8 +81,13 @@ def describe() -> list:
                       "sequence)" + (", the bulk-copy kernel (other bf16 pools)" if cc >= (9, 0) else "") +
                       "; the token-by-token kernel otherwise")
         bwd_short = _ext.chunk_bwd_shortfall(index)
-        backward = ("the backward's kernels (the forward's and chunk_state_grad for the states at chunk boundaries, "
-                    "chunk_state_scan for fp32 inputs, chunk_local_grad per chunk) for K = V = 128 and gates whose "
+        whole_short = _ext.chunk_bwd_shortfall(index, transitions=True)  # the whole per-chunk pass's block
+        per_chunk = ("chunk_local_grad per chunk" if whole_short is None and family != "sm80"
+                     else "chunk_local_grad in value halves per chunk")
+        fp32 = ("chunk_state_scan for fp32 inputs" if whole_short is None
+                else f"fp32 inputs on a PyTorch backward ({whole_short})")
+        backward = (f"the backward's kernels (the forward's and chunk_state_grad for the states at chunk boundaries, "
+                    f"{fp32}, {per_chunk}) for K = V = 128 and gates whose "
                     "log decay over 16 tokens stays within their span, a PyTorch backward otherwise"
                     if bwd_short is None else f"a PyTorch backward ({bwd_short})")
         backward += "; the per-token preprocessing and its gradients on chunk_bwd_tokens (K = V = 128)"

@@ -208,15 +208,18 @@ if HAS_EXTENSION:
     _chunk_bwd_shortfall: dict = {}
 
     @torch.compiler.assume_constant_result
-    def chunk_bwd_shortfall(index: int):
-        """Why CUDA device ``index`` cannot run the chunked backward's kernel (it needs more shared
-        memory per block than sm_80 has), or None; asked once per device (traced training calls
-        read it)."""
-        if index not in _chunk_bwd_shortfall:
-            have, need = smem_per_block_optin(index) or 0, _C.chunk_local_grad_smem_bytes()
-            _chunk_bwd_shortfall[index] = (
+    def chunk_bwd_shortfall(index: int, transitions: bool = False):
+        """Why CUDA device ``index`` cannot run the chunked backward's gradients pass (in value halves
+        where the whole pass's block does not fit: sm_80), or with ``transitions``, its transitions
+        pass (the state maps of fp32 inputs, the whole pass's block: sm_90), or None; asked once per
+        device (traced training calls read it)."""
+        key = (index, transitions)
+        if key not in _chunk_bwd_shortfall:
+            have = smem_per_block_optin(index) or 0
+            need = _C.chunk_local_grad_smem_bytes() if transitions else _C.chunk_local_grad_split_smem_bytes()
+            _chunk_bwd_shortfall[key] = (
                 None if have >= need else f"{have} bytes of shared memory per block (the backward's kernel: {need})")
-        return _chunk_bwd_shortfall[index]
+        return _chunk_bwd_shortfall[key]
 
     @torch.library.register_fake("flashkda::chunk_fwd")
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,

@@ -872,6 +872,8 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
                                                    records)
         boundary = None if boundary_states is None else boundary_states(entries)
+    if why is None and boundary is None:  # the state maps then come from the transitions pass
+        why = _ext.chunk_bwd_shortfall(q.device.index, transitions=True)
     if why is None:
         dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary)
     else:

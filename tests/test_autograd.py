@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import flashkda
+from flashkda import _ext
 from flashkda.autograd import ChunkFunction, ChunkOptions
 from flashkda.reference import kda_reference
 
@@ -190,6 +191,26 @@ def test_cuda_grads_match_fp64(case):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("case", ["bf16_lower_bound_varlen_vfirst", "bf16_gdn_bf16_state", "bf16_lower_bound_gva"])
+def test_cuda_grads_match_fp64_on_the_sm80_family(case):
+    """What an sm_80 GPU runs (its shared memory per block holds the gradients pass only in value
+    halves), forced on this GPU: the sm_80 forward kernels and the gradients pass in value halves,
+    whose two blocks add their shares (found by kernel name), within the same bound of fp64."""
+    spec = dict(GPU_CASES[case])
+    gdn = spec.pop("gdn", False)
+    kw = make_inputs(H=4, D=128, gdn=gdn, device="cuda", **spec, seed=8)
+    do, dht = _upstream(kw)
+    with _ext.kernel_family("sm80"), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("chunk_local_grad_split_kernel" in n for n in names), "the gradients pass in value halves did not run"
+    assert not any("chunk_local_grad_kernel" in n for n in names), "the whole gradients pass ran"
+    _check_grads(got, grads64(kw, do, dht), CUDA_TOL[spec["dtype"]], case)
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("gdn", [False, True], ids=["kda", "gdn"])
 def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
     """The chunked forward under autograd keeps its states at chunk starts and its chunk records,
@@ -236,7 +257,7 @@ def test_cuda_backward_without_room_for_the_gradients_pass(case, monkeypatch):
     gradients in PyTorch, within the kernel path's bound of fp64."""
     from flashkda import _ext
 
-    monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda index: "163 KB per block (stood in)")
+    monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda index, transitions=False: "163 KB per block (stood in)")
     spec = dict(GPU_CASES[case])
     gdn = spec.pop("gdn", False)
     kw = make_inputs(H=4, D=128, gdn=gdn, device="cuda", **spec, seed=8)
@@ -325,7 +346,7 @@ def test_forward_gate_check_reaches_the_backward(monkeypatch, within):
     monkeypatch.setattr(ag, "_spans_within", lambda *a: pytest.fail("the backward read the gate check back"))
     # A device the kernels would take but for the gradients pass's room: the gate decides the rest.
     monkeypatch.setattr(ag, "_device_shortfall", lambda *a: None)
-    monkeypatch.setattr(ag._ext, "chunk_bwd_shortfall", lambda index: "no room", raising=False)
+    monkeypatch.setattr(ag._ext, "chunk_bwd_shortfall", lambda index, transitions=False: "no room", raising=False)
     monkeypatch.setattr(ag._ext, "CHUNK_BWD_MAX_SUBCHUNK_SPAN", 80.0, raising=False)
     kw = make_inputs(T=70, H=2, D=16, gate="softplus", seed=23)
     do, dht = _upstream(kw)

@@ -184,7 +184,7 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens, bounda
     monkeypatch.setattr(ag, "_device_shortfall", lambda *a: calls.append(1))
     monkeypatch.setattr(ag, "_gate_shortfall", lambda *a: None)
     no_room = boundary == "forward_kernels_torch_pass"
-    monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda index: "no room" if no_room else None, raising=False)
+    monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda index, transitions=False: "no room" if no_room else None, raising=False)
     if no_room:
         monkeypatch.setattr(ag, "_kernel_backward", lambda *a: pytest.fail("the gradients pass ran"))
         if kw["q"].shape[1]:  # (no token: nothing to take from the kernels)
@@ -244,15 +244,22 @@ KERNEL_TOL = 1e-2
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("family", ["auto", "sm80"])
 @pytest.mark.parametrize("scalar_gate", [False, True], ids=["kda", "gdn"])
 @pytest.mark.parametrize("decay", [5.0, 0.05], ids=["strong", "weak"])
-def test_kernel_passes_match_reference(decay, scalar_gate):
+def test_kernel_passes_match_reference(decay, scalar_gate, family):
     """Both passes of the kernel against the fp64 reference of the same math, on varlen chunks
     (1, 17, 0, 97, 130, 64 tokens; GVA-like heads), log decays down to -5 a token (the widest span
     the kernel takes, 80 over 16 tokens) and weak ones, per key channel or one per token and head
-    (a scalar gate, whose gradient the kernel sums over the channels)."""
-    if _ext.chunk_bwd_shortfall(torch.cuda.current_device()) is not None:
-        pytest.skip(_ext.chunk_bwd_shortfall(torch.cuda.current_device()))
+    (a scalar gate, whose gradient the kernel sums over the channels); the gradients pass whole
+    (sm_90) and in value halves (the sm_80 family: two blocks add their shares)."""
+    if _ext.chunk_bwd_shortfall(torch.cuda.current_device(), transitions=True) is not None:
+        pytest.skip(_ext.chunk_bwd_shortfall(torch.cuda.current_device(), transitions=True))
+    with _ext.kernel_family(family):
+        _kernel_passes_match_reference(decay, scalar_gate)
+
+
+def _kernel_passes_match_reference(decay, scalar_gate):
     K = 128
     (q, k, v, g, beta, dO), bos, length, chunks = _problem([1, 17, 0, 97, 130, 64], 3, K, "cuda", torch.float32,
                                                              seed=11, decay=decay)

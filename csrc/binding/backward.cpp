@@ -36,7 +36,8 @@ void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bo
 // Pass 0 (transitions): returns [D, B, Y], each [chunks, HV, D, D] fp32. Pass 1 (gradients, with
 // `states` and `dstates` [chunks, HV, D, D] fp32 or bf16): returns [dq, dk, dv, dg, dbeta] in the token
 // layout of the inputs, fp32 but dv in v's dtype where that is bf16 or fp16 (zeros for tokens in no
-// chunk; `every_token`: the chunks cover every token, and nothing is zero-filled). Inputs:
+// chunk; `every_token`: the chunks cover every token, and nothing is zero-filled but the outputs
+// that the pass in value halves sums into). Inputs:
 // chunk_bwd_params.h; g [rows, HV] is a scalar gate (dg then [rows, HV] too).
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
@@ -100,23 +101,33 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     p.pass = chunk_bwd::Pass::kGradients;
     p.states = reinterpret_cast<const __nv_bfloat16*>(bf16[0].data_ptr());
     p.dstates = reinterpret_cast<const __nv_bfloat16*>(bf16[1].data_ptr());
-    // Zeros only where some token may lie in no chunk (varlen); else the kernel writes every one.
-    const auto make = [every_token](const at::Tensor& like, at::ScalarType type) {
-      return every_token ? at::empty(like.sizes(), like.options().dtype(type))
-                         : at::zeros(like.sizes(), like.options().dtype(type));
+    // The whole pass where its block fits (sm_90) and the sm_80 family is not forced; else the pass
+    // in value halves, whose two blocks add their shares of dq, dk, dg and dbeta into zeros.
+    const int optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(q.get_device());
+    const bool split = kernel_family() == KernelFamily::kSm80 || optin < chunk_local_grad_smem_bytes();
+    TORCH_CHECK(!split || optin >= chunk_local_grad_split_smem_bytes(), "flashkda: the chunked backward's kernel needs ",
+                chunk_local_grad_split_smem_bytes(), " bytes of shared memory per block; the device has ", optin);
+    // Zeros where some token may lie in no chunk (varlen), and for the halves' sums; else the kernel
+    // writes every one.
+    const auto make = [every_token](const at::Tensor& like, at::ScalarType type, bool sum) {
+      return every_token && !sum ? at::empty(like.sizes(), like.options().dtype(type))
+                                 : at::zeros(like.sizes(), like.options().dtype(type));
     };
     const bool dv16 = v.scalar_type() == at::kBFloat16 || v.scalar_type() == at::kHalf;
-    for (int i = 0; i < 3; ++i) out.push_back(make(q, i == 2 && dv16 ? v.scalar_type() : at::kFloat));
-    out.push_back(make(scalar_gate ? beta : q, at::kFloat));  // dg: g's shape
-    out.push_back(make(beta, at::kFloat));
+    for (int i = 0; i < 3; ++i) out.push_back(make(q, i == 2 && dv16 ? v.scalar_type() : at::kFloat, split && i < 2));
+    out.push_back(make(scalar_gate ? beta : q, at::kFloat, split));  // dg: g's shape
+    out.push_back(make(beta, at::kFloat, split));
     p.dq = out[0].data_ptr<float>();
     p.dk = out[1].data_ptr<float>();
     p.dv = out[2].data_ptr();
     p.dv_dtype = to_dtype(out[2], "dv");
     p.dg = out[3].data_ptr<float>();
     p.dbeta = out[4].data_ptr<float>();
-    err = scalar_gate ? run_chunk_local_grad<chunk_bwd::Pass::kGradients, true>(p, stream)
-                      : run_chunk_local_grad<chunk_bwd::Pass::kGradients, false>(p, stream);
+    if (split)
+      err = scalar_gate ? run_chunk_local_grad_split<true>(p, stream) : run_chunk_local_grad_split<false>(p, stream);
+    else
+      err = scalar_gate ? run_chunk_local_grad<chunk_bwd::Pass::kGradients, true>(p, stream)
+                        : run_chunk_local_grad<chunk_bwd::Pass::kGradients, false>(p, stream);
   }
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunked backward kernel launch failed: ", cudaGetErrorString(err));
   return out;

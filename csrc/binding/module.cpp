@@ -75,6 +75,8 @@ PYBIND11_MODULE(_C, m) {
         "bytes of one chunk record (per chunk entry and value head) that chunk_fwd's `records` holds");
   m.def("chunk_local_grad_smem_bytes", &flashkda::chunk_local_grad_smem_bytes,
         "dynamic shared memory per block (bytes) of the chunked backward's kernel (no CUDA call)");
+  m.def("chunk_local_grad_split_smem_bytes", &flashkda::chunk_local_grad_split_smem_bytes,
+        "dynamic shared memory per block (bytes) of the chunked backward's gradients pass in value halves");
   m.def("chunk_bwd_max_subchunk_span", [] { return double(flashkda::kBwdMaxSubchunkSpan); },
         "largest |sum of log decays| over 16 tokens that the chunked backward's kernel takes");
   m.def("chunk_smem_reason", &flashkda::binding::chunk_smem_reason,

@@ -77,6 +77,12 @@ int chunk_smem_bytes();
 template <chunk_bwd::Pass kPass, bool kScalarGate = false>
 cudaError_t run_chunk_local_grad(const ChunkBwdParams& params, cudaStream_t stream);
 int chunk_local_grad_smem_bytes();
+// The gradients pass in value halves (chunk_local_grad_split.cuh), two blocks per (chunk, value head)
+// of chunk_local_grad_split_smem_bytes() each (sm_80 has room): dq, dk, dg and dbeta must be
+// zero-filled, each half adds its share.
+template <bool kScalarGate>
+cudaError_t run_chunk_local_grad_split(const ChunkBwdParams& params, cudaStream_t stream);
+int chunk_local_grad_split_smem_bytes();
 // The gradients of the states at chunk boundaries, walking each sequence's chunks backwards on the
 // records of a chunked forward run with the same params (chunk_state_grad.cuh: the fields it reads
 // in place of the forward's), any device that runs the chunked forward. Elem and kBlockV as

@@ -202,7 +202,10 @@ static_assert(kChunk * kHeadDim * 4 <= 2 * ChunkTile::kBytes, "the fp32 dΓ take
 // PyTorch backward (flashkda/autograd.py asks chunk_local_grad_smem_bytes()).
 static_assert(SmemLayout::kBytes <= 227 * 1024, "fits an sm_90 block");
 
-struct Block {
+// The block's view of its chunk, head and shared memory; Layout gives the offsets of Γ, the pivots,
+// the factors, β, dβ, the chunk-end terms and A.
+template <class Layout>
+struct BlockT {
   const ChunkBwdParams& p;
   uint8_t* smem;
   int64_t chunk, bos;
@@ -210,21 +213,21 @@ struct Block {
   int64_t head0;    // element offset of (token 0, channel 0) of this chunk and head in the token tensors
   int token_pitch;  // elements from one token to the next (HV · kHeadDim)
 
-  __device__ __forceinline__ float* gamma() const { return reinterpret_cast<float*>(smem + SmemLayout::kGamma); }
-  __device__ __forceinline__ float* pivot() const { return reinterpret_cast<float*>(smem + SmemLayout::kPivot); }
+  __device__ __forceinline__ float* gamma() const { return reinterpret_cast<float*>(smem + Layout::kGamma); }
+  __device__ __forceinline__ float* pivot() const { return reinterpret_cast<float*>(smem + Layout::kPivot); }
   __device__ __forceinline__ float* factor(int a, int b) const {
-    return reinterpret_cast<float*>(smem + SmemLayout::kFactor) + pair_index(a, b) * kHeadDim;
+    return reinterpret_cast<float*>(smem + Layout::kFactor) + pair_index(a, b) * kHeadDim;
   }
-  __device__ __forceinline__ float* beta() const { return reinterpret_cast<float*>(smem + SmemLayout::kBeta); }
-  __device__ __forceinline__ float* dbeta() const { return reinterpret_cast<float*>(smem + SmemLayout::kDbeta); }
-  __device__ __forceinline__ float* end() const { return reinterpret_cast<float*>(smem + SmemLayout::kEnd); }
-  __device__ __forceinline__ float* A() const { return reinterpret_cast<float*>(smem + SmemLayout::kA); }
+  __device__ __forceinline__ float* beta() const { return reinterpret_cast<float*>(smem + Layout::kBeta); }
+  __device__ __forceinline__ float* dbeta() const { return reinterpret_cast<float*>(smem + Layout::kDbeta); }
+  __device__ __forceinline__ float* end() const { return reinterpret_cast<float*>(smem + Layout::kEnd); }
+  __device__ __forceinline__ float* A() const { return reinterpret_cast<float*>(smem + Layout::kA); }
   __device__ __forceinline__ float& A(int i, int j) const { return A()[i * kF32Stride + j]; }
   template <class T = ChunkTile>
   __device__ __forceinline__ T tile(int offset) const {
     return T{reinterpret_cast<Bf16*>(smem + offset)};
   }
-  __device__ __forceinline__ ChunkTile slot(int i) const { return tile(SmemLayout::slot(i)); }
+  __device__ __forceinline__ ChunkTile slot(int i) const { return tile(Layout::slot(i)); }
 
   // Element offset of (token t, channel c) in the token tensors of this head.
   __device__ __forceinline__ int64_t at(int t, int c) const { return head0 + (t * token_pitch + c); }
@@ -304,12 +307,12 @@ struct Block {
     }
   }
   // Asynchronous 16-byte copies (cp.async) of this chunk's token rows of x into shared memory:
-  // token t's kHeadDim elements to dst + t · dst_pitch bytes, zeros for tokens past the chunk's end.
-  // The copies hold no registers, so every one is in flight at once; cute::cp_async_wait and a
-  // barrier complete them.
-  template <class Elem>
+  // token t's kCols elements from x + at(t, 0) to dst + t · dst_pitch bytes, zeros for tokens past
+  // the chunk's end. The copies hold no registers, so every one is in flight at once;
+  // cute::cp_async_wait and a barrier complete them.
+  template <int kCols = kHeadDim, class Elem>
   __device__ __forceinline__ void copy_rows_async(uint8_t* dst, int dst_pitch, const Elem* x) const {
-    constexpr int kPieces = kHeadDim * int(sizeof(Elem)) / 16, kPer = 16 / int(sizeof(Elem));  // per row
+    constexpr int kPieces = kCols * int(sizeof(Elem)) / 16, kPer = 16 / int(sizeof(Elem));  // per row
 #pragma unroll
     for (int i = threadIdx.x; i < kChunk * kPieces; i += kThreads) {
       const int t = i / kPieces, piece = i % kPieces;
@@ -364,14 +367,15 @@ struct Block {
     }
   }
 };
+using Block = BlockT<SmemLayout>;
 
 // For Z = x yᵀ ⊙ e^{Γi−Γj} (j <= i, blocks as above) and its gradient dZ, this warp's part of the
 // chunk in the ChunkAcc layout (the rows of sub-chunk warp % kRowWarps, channels from n0): adds to
 // `out` the x-side Σ_b f_ab (dZ_ab Y_b) (kSideX) or the y-side Σ_a f_ab (dZ_abᵀ X_a) of the
 // sub-chunk's rows, X = x e^{γ−h} and Y = y e^{h−γ} the operand tiles; the caller scales by
 // e^{γ−h} (x-side) or e^{h−γ} (y-side).
-template <bool kSideX>
-__device__ __forceinline__ void gram_grad(const Block& blk, float (&out)[1][ChunkAcc::NI][4], const SquareTile& dZ,
+template <bool kSideX, class Blk>
+__device__ __forceinline__ void gram_grad(const Blk& blk, float (&out)[1][ChunkAcc::NI][4], const SquareTile& dZ,
                                           const ChunkTile& X, const ChunkTile& Y) {
   static_assert(kRowWarps == kSubChunks, "a ChunkAcc warp row is a sub-chunk");
   const int sub = (threadIdx.x >> 5) % kRowWarps, n0 = ChunkAcc::n0();

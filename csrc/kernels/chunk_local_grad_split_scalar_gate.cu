@@ -1,0 +1,6 @@
+// The chunked backward's gradients pass in value halves (blocks of 153 KB: sm_80), for a scalar gate
+// (one instantiation).
+#include "flashkda/api.h"
+#include "flashkda/backward/chunk_local_grad_split.cuh"
+
+template cudaError_t flashkda::run_chunk_local_grad_split<true>(const flashkda::ChunkBwdParams&, cudaStream_t);
