@@ -520,6 +520,9 @@ def test_gpu_training_call_served(kernel_calls, monkeypatch):
     assert len(kernel_calls) == n + 1
     (dq,) = torch.autograd.grad(o.float().square().sum(), [kw["q"]])
     assert dq.shape == kw["q"].shape and torch.isfinite(dq).all()
+    with _ext.kernel_family("sm80"):  # the gradients pass in value halves: not measured against FLA
+        ok, reason = integ.chunk_kda_verifier(**kw, **GATE, safe_gate=True)
+    assert not ok and "value halves" in reason and integ.TRAINING_ENV_VAR in reason, reason
 
 
 @pytest.mark.skipif(not _ext.HAS_EXTENSION, reason="spies on the extension's fast entry")

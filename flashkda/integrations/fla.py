@@ -132,9 +132,10 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
     """Why a call with an input that requires grad under autograd stays FLA's, or None (also for a
     call without one). ``FLASHKDA_FLA_TRAINING=1``: none; ``=0``: every one. Unset: flashkda takes
     the calls whose backward runs on its CUDA kernels with no look at the data (a chunk_kda gate
-    with a lower bound, bf16 / fp16 inputs, a device that runs the backward's kernels, no context
-    parallelism), measured faster than FLA's (BENCHMARK_H200.md, "Training"); the others (GDN,
-    unbounded gates, whose backward checks the gate's spans) are not."""
+    with a lower bound, bf16 / fp16 inputs, a device that runs the backward's whole gradients pass,
+    no context parallelism), measured faster than FLA's (BENCHMARK_H200.md, "Training"); the others
+    (GDN, unbounded gates, whose backward checks the gate's spans, the gradients pass in value halves
+    of sm_80) are not."""
     q = tensors[0]
     if not _api._needs_grad(*tensors):
         return None
@@ -156,6 +157,9 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
             short = f"lower_bound={lower_bound} (16 tokens may decay beyond the kernels' span)"
         if short is not None:
             why = f"flashkda's backward kernels do not serve it: {short}"
+        elif (_ext.config.kernel_family == "sm80"
+              or _ext.chunk_bwd_shortfall(q.get_device(), transitions=True) is not None):
+            why = "flashkda's gradients pass in value halves (sm_80) is not measured faster than FLA's"
     if why is None:
         return None
     return f"an input requires grad: {why} ({TRAINING_ENV_VAR}=1 serves training calls)"
