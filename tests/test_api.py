@@ -610,12 +610,11 @@ def test_chunk_smem_shortfall(monkeypatch):
         assert (reason is None) == fits, (have, reason)
         if not fits:
             assert f"{have} bytes of shared memory per block" in reason and str(need) in reason
-        # the gradients pass (in value halves where the whole one does not fit) needs no more than the
-        # forward's kernels; the transitions pass (fp32 inputs' state maps) needs the whole block
+        # the gradients pass: in value halves where the whole one does not fit (sm_80 has room for
+        # them); the transitions pass (fp32 inputs' state maps) needs the whole block
         bwd, trans = _ext.chunk_bwd_shortfall(0), _ext.chunk_bwd_shortfall(0, transitions=True)
         assert (bwd is None) == (have >= _ext._C.chunk_local_grad_split_smem_bytes()), (have, bwd)
         assert (trans is None) == (have >= _ext._C.chunk_local_grad_smem_bytes()), (have, trans)
-        assert bwd is None or not fits
     assert _ext._C.chunk_local_grad_split_smem_bytes() <= 163 * 1024 < _ext._C.chunk_local_grad_smem_bytes()
 
 
