@@ -82,8 +82,8 @@ def describe() -> list:
                       "; the token-by-token kernel otherwise")
         bwd_short = _ext.chunk_bwd_shortfall(index)
         whole_short = _ext.chunk_bwd_shortfall(index, transitions=True)  # the whole per-chunk pass's block
-        per_chunk = ("chunk_local_grad per chunk" if whole_short is None and family != "sm80"
-                     else "chunk_local_grad in value halves per chunk")
+        per_chunk = ("chunk_local_grad in value halves per chunk" if _ext.chunk_bwd_in_value_halves(index)
+                     else "chunk_local_grad per chunk")
         fp32 = ("chunk_state_scan for fp32 inputs" if whole_short is None
                 else f"fp32 inputs on a PyTorch backward ({whole_short})")
         backward = (f"the backward's kernels (the forward's and chunk_state_grad for the states at chunk boundaries, "

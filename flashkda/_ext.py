@@ -221,6 +221,12 @@ if HAS_EXTENSION:
                 None if have >= need else f"{have} bytes of shared memory per block (the backward's kernel: {need})")
         return _chunk_bwd_shortfall[key]
 
+    def chunk_bwd_in_value_halves(index: int) -> bool:
+        """Whether the chunked backward's gradients pass runs in value halves on CUDA device ``index``
+        (the sm_80 family, or too little shared memory per block for the whole pass); read at call
+        time, as the kernel family may change."""
+        return _C.chunk_local_grad_in_value_halves(index)
+
     @torch.library.register_fake("flashkda::chunk_fwd")
     def _chunk_fwd_fake(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, final_state, o, scale,
                         gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval, state_v_first, value_split,

@@ -157,6 +157,14 @@ def grads64(kw: dict, do: torch.Tensor, dht: Optional[torch.Tensor]) -> list:
     return [None if t is None else next(found) for t in leaves]
 
 
+def with_kernel_names(fn):
+    """``(fn(), names)``: its result and the names of the CUDA kernels it launched (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def grads_of(fn, kw: dict, do: torch.Tensor, dht: Optional[torch.Tensor], **extra) -> list:
     """Gradients of the GRAD_INPUTS of ``fn(**kw, **extra)`` (which returns ``(o, final_state)``),
     each input a fresh leaf that requires grad."""

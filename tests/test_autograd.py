@@ -17,7 +17,8 @@ from flashkda import _ext
 from flashkda.autograd import ChunkFunction, ChunkOptions
 from flashkda.reference import kda_reference
 
-from helpers import GRAD_INPUTS, HAS_CUDA_KERNELS, grads64, grads_of, make_inputs, public_fn, rel_err
+from helpers import (GRAD_INPUTS, HAS_CUDA_KERNELS, grads64, grads_of, make_inputs, public_fn, rel_err,
+                     with_kernel_names)
 
 NAMES = GRAD_INPUTS
 FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
@@ -200,10 +201,8 @@ def test_cuda_grads_match_fp64_on_the_sm80_family(case):
     gdn = spec.pop("gdn", False)
     kw = make_inputs(H=4, D=128, gdn=gdn, device="cuda", **spec, seed=8)
     do, dht = _upstream(kw)
-    with _ext.kernel_family("sm80"), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    with _ext.kernel_family("sm80"):
+        got, names = with_kernel_names(lambda: grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True))
     assert any("chunk_local_grad_split_kernel" in n for n in names), "the gradients pass in value halves did not run"
     assert not any("chunk_local_grad_kernel" in n for n in names), "the whole gradients pass ran"
     _check_grads(got, grads64(kw, do, dht), CUDA_TOL[spec["dtype"]], case)
@@ -227,10 +226,7 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
     fn = public_fn("chunk", gdn)
 
     def traced():
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            got = grads_of(fn, kw, do, dht, output_final_state=True)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        got, names = with_kernel_names(lambda: grads_of(fn, kw, do, dht, output_final_state=True))
         return got, sum("chunk_prepare_kernel" in n for n in names), sum("chunk_state_grad_kernel" in n for n in names)
 
     import flashkda.autograd as ag
@@ -262,10 +258,7 @@ def test_cuda_backward_without_room_for_the_gradients_pass(case, monkeypatch):
     gdn = spec.pop("gdn", False)
     kw = make_inputs(H=4, D=128, gdn=gdn, device="cuda", **spec, seed=8)
     do, dht = _upstream(kw)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True)
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    got, names = with_kernel_names(lambda: grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True))
     assert any("chunk_state_grad_kernel" in n for n in names), "the boundary states did not come from the kernels"
     assert not any("chunk_local_grad_kernel" in n for n in names), "the gradients pass ran"
     _check_grads(got, grads64(kw, do, dht), CUDA_TOL[spec["dtype"]], case)

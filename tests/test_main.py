@@ -34,12 +34,14 @@ def test_info_on_a_gpu_names_every_path(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
     for name in ("device_shortfall", "chunk_smem_shortfall", "chunk_bwd_shortfall"):
         monkeypatch.setattr(_ext, name, lambda i, **kw: None)
+    monkeypatch.setattr(_ext, "chunk_bwd_in_value_halves", lambda i: False)
     lines = cli.describe()
     text = "\n".join(lines)
     assert "GPU 0: sm_90 GPU" in text and "prefill: the chunked kernels" in text
     assert "training: the kernels' forward; the backward's kernels" in text
     assert "chunk_local_grad per chunk" in text and "chunk_state_scan for fp32 inputs" in text
     monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda i, transitions=False: None if not transitions else "163 KB")
+    monkeypatch.setattr(_ext, "chunk_bwd_in_value_halves", lambda i: True)
     text = "\n".join(cli.describe())
     assert "chunk_local_grad in value halves per chunk" in text and "fp32 inputs on a PyTorch backward (163 KB)" in text
     monkeypatch.setattr(_ext, "chunk_bwd_shortfall", lambda i, transitions=False: "163 KB per block")

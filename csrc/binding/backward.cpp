@@ -101,12 +101,8 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     p.pass = chunk_bwd::Pass::kGradients;
     p.states = reinterpret_cast<const __nv_bfloat16*>(bf16[0].data_ptr());
     p.dstates = reinterpret_cast<const __nv_bfloat16*>(bf16[1].data_ptr());
-    // The whole pass where its block fits (sm_90) and the sm_80 family is not forced; else the pass
-    // in value halves, whose two blocks add their shares of dq, dk, dg and dbeta into zeros.
-    const int optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(q.get_device());
-    const bool split = kernel_family() == KernelFamily::kSm80 || optin < chunk_local_grad_smem_bytes();
-    TORCH_CHECK(!split || optin >= chunk_local_grad_split_smem_bytes(), "flashkda: the chunked backward's kernel needs ",
-                chunk_local_grad_split_smem_bytes(), " bytes of shared memory per block; the device has ", optin);
+    // The pass in value halves adds its two blocks' shares of dq, dk, dg and dbeta into zeros.
+    const bool split = chunk_local_grad_in_value_halves(q.get_device());
     // Zeros where some token may lie in no chunk (varlen), and for the halves' sums; else the kernel
     // writes every one.
     const auto make = [every_token](const at::Tensor& like, at::ScalarType type, bool sum) {

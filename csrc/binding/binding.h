@@ -58,6 +58,7 @@ KernelFamily kernel_family();
 int num_sms(int device);
 bool chunk_smem_fits(int64_t optin_bytes);
 std::optional<std::string> chunk_smem_reason(int64_t optin_bytes);
+bool chunk_local_grad_in_value_halves(int64_t device);
 const char* kernel_image_error(int device);
 std::optional<std::string> kernel_image_reason(int64_t device);
 

@@ -35,6 +35,13 @@ std::optional<std::string> chunk_smem_reason(int64_t optin_bytes) {
          std::to_string(chunk_smem_bytes()) + ")";
 }
 
+// Whether the chunked backward's gradients pass runs in value halves on `device`: on the sm_80
+// family, or where the whole pass's block does not fit (sm_80's 163 KB).
+bool chunk_local_grad_in_value_halves(int64_t device) {
+  return kernel_family() == KernelFamily::kSm80 ||
+         device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(int(device)) < chunk_local_grad_smem_bytes();
+}
+
 // Why `device` cannot run this build's kernels (compute capability below kMinComputeMajor, or no
 // loadable image: a build without machine code or PTX for it), or nullptr; asked once per device.
 // A failed capability query answers nullptr, so that the kernels launch and report the error.

@@ -77,6 +77,8 @@ PYBIND11_MODULE(_C, m) {
         "dynamic shared memory per block (bytes) of the chunked backward's kernel (no CUDA call)");
   m.def("chunk_local_grad_split_smem_bytes", &flashkda::chunk_local_grad_split_smem_bytes,
         "dynamic shared memory per block (bytes) of the chunked backward's gradients pass in value halves");
+  m.def("chunk_local_grad_in_value_halves", &flashkda::binding::chunk_local_grad_in_value_halves,
+        "whether the chunked backward's gradients pass runs in value halves on this device (sm_80 family or room)");
   m.def("chunk_bwd_max_subchunk_span", [] { return double(flashkda::kBwdMaxSubchunkSpan); },
         "largest |sum of log decays| over 16 tokens that the chunked backward's kernel takes");
   m.def("chunk_smem_reason", &flashkda::binding::chunk_smem_reason,

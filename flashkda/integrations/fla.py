@@ -157,8 +157,7 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
             short = f"lower_bound={lower_bound} (16 tokens may decay beyond the kernels' span)"
         if short is not None:
             why = f"flashkda's backward kernels do not serve it: {short}"
-        elif (_ext.config.kernel_family == "sm80"
-              or _ext.chunk_bwd_shortfall(q.get_device(), transitions=True) is not None):
+        elif _ext.chunk_bwd_in_value_halves(q.get_device()):
             why = "flashkda's gradients pass in value halves (sm_80) is not measured faster than FLA's"
     if why is None:
         return None

@@ -398,6 +398,308 @@ __device__ __forceinline__ void gram_grad(const Blk& blk, float (&out)[1][ChunkA
   }
 }
 
+// The phases both forms of the gradients pass share (the whole pass below, the value halves in
+// chunk_local_grad_split.cuh), on a block view Blk of either layout.
+
+// Γ, the pivots h_a and the factors f_ab, one thread per (sub-chunk a, channel c): the sub-chunk's
+// running sums in registers, its total through `total` ([kSubChunks][kHeadDim] fp32 scratch) to the
+// later sub-chunks. Also β and zeros for dβ and the chunk-end terms. `after_loads()` runs once the
+// gate's loads are issued (copies to overlap with the sums), `before_barrier()` before the barrier
+// that publishes the totals.
+template <bool kScalarGate, class Blk, class AfterLoads, class BeforeBarrier>
+__device__ __forceinline__ void gamma_phase(const Blk& blk, float* total, AfterLoads&& after_loads,
+                                            BeforeBarrier&& before_barrier) {
+  const int tid = threadIdx.x, own_c = tid % kHeadDim, own_a = tid / kHeadDim;
+  float run[kSubChunk];
+#pragma unroll
+  for (int t = 0; t < kSubChunk; ++t) run[t] = blk.template load_gate<kScalarGate>(own_a * kSubChunk + t, own_c);
+  after_loads();  // after the loads that the sums wait for
+#pragma unroll
+  for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
+  total[own_a * kHeadDim + own_c] = run[kSubChunk - 1];
+  if (tid < kChunk) {
+    blk.beta()[tid] = tid < blk.len ? __ldg(blk.p.beta + blk.head_at(tid)) : 0.f;
+    blk.dbeta()[tid] = 0.f;
+  }
+  if (tid < kHeadDim) blk.end()[tid] = 0.f;
+  before_barrier();
+  __syncthreads();
+  float before[kSubChunks], h[kSubChunks];  // Γ before each sub-chunk, half its total
+  before[0] = 0.f;
+#pragma unroll
+  for (int a = 0; a < kSubChunks; ++a) {
+    const float x = total[a * kHeadDim + own_c];
+    h[a] = 0.5f * x;
+    if (a + 1 < kSubChunks) before[a + 1] = before[a] + x;
+  }
+#pragma unroll
+  for (int a = 0; a < kSubChunks; ++a) {
+    if (a != own_a) continue;
+#pragma unroll
+    for (int t = 0; t < kSubChunk; ++t) blk.gamma()[(a * kSubChunk + t) * kHeadDim + own_c] = before[a] + run[t];
+    blk.pivot()[a * kHeadDim + own_c] = h[a];
+#pragma unroll
+    for (int b = 0; b < a; ++b) blk.factor(a, b)[own_c] = __expf(before[a] - before[b] + h[a] - h[b]);
+  }
+}
+
+// M (j <= i, bf16 into Mt, whose blocks above the diagonal the caller zeroed) and A (j < i, fp32
+// into blk.A()), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks.
+template <class Blk>
+__device__ __forceinline__ void gram_products(const Blk& blk, const SquareTile& Mt, const ChunkTile& Xq,
+                                              const ChunkTile& Xk, const ChunkTile& Yk) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  constexpr int kBlocks = kSubChunks * (kSubChunks + 1) / 2;
+  for (int task = warp; task < 2 * kBlocks; task += kWarps) {
+    const bool is_A = task >= kBlocks;
+    int rest = task % kBlocks, a = 0;
+    while (rest > a) rest -= ++a;
+    const int b = rest;
+    float acc[1][2][4] = {};
+    warp_mma<false, false>(acc, is_A ? Xk : Xq, Yk, kSubChunk * a, kSubChunk * b, 0, kHeadDim, false,
+                           a == b ? nullptr : blk.factor(a, b));
+#pragma unroll
+    for (int ni = 0; ni < 2; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = kSubChunk * a + sm80::FragAcc::m(lane, e), j = kSubChunk * b + 8 * ni + sm80::FragAcc::n(lane, e);
+        const bool keep = is_A ? j < i : j <= i;
+        const float x = keep ? acc[0][ni][e] : 0.f;
+        if (is_A)
+          blk.A(i, j) = x;
+        else
+          Mt.p[i * SquareTile::kStride + j] = __float2bfloat16(x);
+      }
+  }
+}
+
+// L = (I + Ab)⁻¹, Ab = diag(β) A strictly lower, by 16 x 16 blocks (fp32, into Lf; `scratch` a
+// warp's 16 x 16 block per warp below the last): each diagonal block L_aa = (I + Ab_aa)⁻¹ by forward
+// substitution, one column per lane of warp a, in registers; then the blocks below, one warp per
+// block column b, for a = b + 1 .. in order (from (I + Ab) L = I): L_ab = −L_aa diag(β_a) Σ_{b<=c<a}
+// A_ac L_cb, as 16 x 16 x 16 products on the tf32 tensor cores (L reaches the later products as
+// bf16, so tf32 operands cost them nothing). Then L and T = L diag(β) as bf16 tiles (zero above
+// the diagonal blocks), with no barrier after them.
+template <class Blk>
+__device__ __forceinline__ void solve(const Blk& blk, float* Lf_base, float* scratch_base, const SquareTile& Lt,
+                                      const SquareTile& Tt) {
+  const sm80::PlainF32 L{Lf_base, kF32Stride};
+  const sm80::PlainF32 Af{blk.A(), kF32Stride};
+  auto block = [](const sm80::PlainF32& m, int a, int b) {
+    return sm80::PlainF32{m.p + a * kSubChunk * m.stride + b * kSubChunk, m.stride};
+  };
+  const float* beta = blk.beta();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (warp < kSubChunks && lane < kSubChunk) {  // column `lane` of L_aa, a = warp
+    const int o = warp * kSubChunk, j = lane;
+    float x[kSubChunk];  // zero above the diagonal (i < j) by the recurrence itself
+#pragma unroll
+    for (int i = 0; i < kSubChunk; ++i) {
+      float sum = 0.f;
+#pragma unroll
+      for (int l = 0; l < i; ++l) sum += Af.at(o + i, o + l) * x[l];
+      x[i] = (i == j ? 1.f : 0.f) - beta[o + i] * sum;
+      L.at(o + i, o + j) = x[i];
+    }
+  }
+  __syncthreads();
+  if (warp < kSubChunks - 1) {
+    const int b = warp;
+    const sm80::PlainF32 scratch{scratch_base + warp * kSubChunk * kScratchStride, kScratchStride};
+    for (int a = b + 1; a < kSubChunks; ++a) {
+      float acc[2][4] = {};
+      for (int c = b; c < a; ++c) sm80::block_product_tf32<false>(acc, block(Af, a, c), block(L, c, b));
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] *= beta[a * kSubChunk + sm80::FragAcc::m(lane, e)];
+      sm80::store_block(scratch, acc, 1.f);
+      __syncwarp();
+      float out[2][4] = {};
+      sm80::block_product_tf32<false>(out, block(L, a, a), scratch);
+      sm80::store_block(block(L, a, b), out, -1.f);
+      __syncwarp();  // L_ab is read by the next step; the scratch is rewritten
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < kChunk * kChunk / 2; i += kThreads) {  // zero above the diagonal blocks
+    const int r = i / (kChunk / 2), c = (i % (kChunk / 2)) * 2;
+    const bool below = c / kSubChunk <= r / kSubChunk;
+    const float l0 = below ? L.at(r, c) : 0.f, l1 = below ? L.at(r, c + 1) : 0.f;
+    Lt.store2(r, c, l0, l1);
+    Tt.store2(r, c, l0 * beta[c], l1 * beta[c + 1]);
+  }
+}
+
+// From the gradient d of x e^Γ (x = q̂ or k̂): dx += e^Γ d, and dΓ += x e^Γ d.
+template <class Blk>
+__device__ __forceinline__ void add_through_decay(const Blk& blk, const ChunkAcc& d, ChunkAcc& dx, ChunkAcc& dG,
+                                                  const float* x_src) {
+  ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+    const float2 G = blk.G2(t, c), xs = blk.load2(x_src, t, c);
+    const float x0 = d.c[mi][ni][2 * h] * __expf(G.x), x1 = d.c[mi][ni][2 * h + 1] * __expf(G.y);
+    dx.c[mi][ni][2 * h] += x0;
+    dx.c[mi][ni][2 * h + 1] += x1;
+    dG.c[mi][ni][2 * h] += xs.x * x0;
+    dG.c[mi][ni][2 * h + 1] += xs.y * x1;
+  });
+}
+
+// From dkd, the gradient of kd = k̂ e^{Γ_C−Γ}: dk̂ += e^{Γ_C−Γ} dkd, dΓ −= kd dkd, and Σ_t kd dkd to
+// the chunk's end (shared-memory atomics over the warps).
+template <class Blk>
+__device__ __forceinline__ void add_kd_grad(const Blk& blk, const ChunkAcc& dkd, ChunkAcc& dk, ChunkAcc& dG) {
+  float end_part[ChunkAcc::NI][2] = {};
+  ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+    const float2 G = blk.G2(t, c), ks = blk.load2(blk.p.k, t, c);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float decay = __expf(blk.G_end(c + j) - (j ? G.y : G.x));
+      const float kdv = (j ? ks.y : ks.x) * decay, x = dkd.c[mi][ni][2 * h + j];
+      dk.c[mi][ni][2 * h + j] += x * decay;
+      dG.c[mi][ni][2 * h + j] -= kdv * x;
+      end_part[ni][j] += kdv * x;
+    }
+  });
+  const int lane = int(threadIdx.x) & 31;
+#pragma unroll
+  for (int ni = 0; ni < ChunkAcc::NI; ++ni)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float x = end_part[ni][h];  // sum over the warp's rows (lanes with the same lane % 4)
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (lane < 4) atomicAdd(blk.end() + ChunkAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
+    }
+}
+
+// T = L diag(β): dβ_j += Σ_i dT_ij L_ij (shared-memory atomics over the warps).
+template <class Blk>
+__device__ __forceinline__ void add_dbeta_of_T(const Blk& blk, const SquareAcc& dT, const SquareTile& Lt) {
+  float col_part[SquareAcc::NI][2] = {};
+  SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) { col_part[ni][e & 1] += dT.c[mi][ni][e] * Lt.get(i, j); });
+  const int lane = int(threadIdx.x) & 31;
+#pragma unroll
+  for (int ni = 0; ni < SquareAcc::NI; ++ni)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float x = col_part[ni][h];
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (lane < 4) atomicAdd(blk.dbeta() + SquareAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
+    }
+}
+
+// G = −strict_tril(Gd) in place, the gradient of diag(β) A: dβ_i += Σ_j G_ij A_ij, A(mi, ni, e, i, j)
+// giving A's element (shared-memory atomics over the warps).
+template <class Blk, class AOf>
+__device__ __forceinline__ void mask_and_add_dbeta_of_A(const Blk& blk, SquareAcc& Gd, AOf&& A_of) {
+  float row_part[SquareAcc::MI][2] = {};
+  SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
+    if (j >= i) Gd.c[mi][ni][e] = 0.f;
+    if (j < i) row_part[mi][e >> 1] += Gd.c[mi][ni][e] * A_of(mi, ni, e, i, j);
+  });
+  const int lane = int(threadIdx.x) & 31;
+#pragma unroll
+  for (int mi = 0; mi < SquareAcc::MI; ++mi)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float x = row_part[mi][h];  // sum over the lanes of one row (lane / 4 fixed)
+      x += __shfl_xor_sync(0xffffffffu, x, 1);
+      x += __shfl_xor_sync(0xffffffffu, x, 2);
+      if ((lane & 3) == 0) atomicAdd(blk.dbeta() + SquareAcc::m0() + 16 * mi + sm80::FragAcc::m(lane, 2 * h), x);
+    }
+}
+
+// The Gram matrices' gradients: M (x = q̂, y = k̂, dM) and A (x = y = k̂, dZA), each side apart:
+// the x-side's dx = e^{γ−h} acc, the y-side's dy = e^{h−γ} acc. The decay's share x dx − y dy
+// is taken as X acc − Y acc with the bf16 operands X = x e^{γ−h}, Y = y e^{h−γ} of the products
+// themselves: each pair (i, j) then adds and takes off the same product, so the pairs cancel in
+// dg's suffix sums as in exact arithmetic (with x dx, the two roundings of a pair differ, and
+// the residues of all pairs summed into dg: measured 2.2x FLA's dg error, 8x its ddt_bias).
+template <class Blk>
+__device__ __forceinline__ void add_gram_grads(const Blk& blk, ChunkAcc& dq, ChunkAcc& dk, ChunkAcc& dG,
+                                               const SquareTile& dM, const SquareTile& dZA, const ChunkTile& Xq,
+                                               const ChunkTile& Xk, const ChunkTile& Yk) {
+  {  // x-sides: dq from M, dk from A (one pivot factor e^{γ−h} per element for both)
+    float xM[1][ChunkAcc::NI][4] = {}, xA[1][ChunkAcc::NI][4] = {};
+    gram_grad<true>(blk, xM, dM, Xq, Yk);
+    gram_grad<true>(blk, xA, dZA, Xk, Yk);
+    ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
+      const float2 pl = blk.pivot_log2(t, c), xq = Xq.get2(t, c), xk = Xk.get2(t, c);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int e = 2 * h + j;
+        const float up = __expf(j ? pl.y : pl.x);
+        dq.c[0][ni][e] += xM[0][ni][e] * up;
+        dk.c[0][ni][e] += xA[0][ni][e] * up;
+        dG.c[0][ni][e] += (j ? xq.y : xq.x) * xM[0][ni][e] + (j ? xk.y : xk.x) * xA[0][ni][e];
+      }
+    });
+  }
+  {  // the y-sides of M and A, both of k̂, summed before their factor e^{h−γ}
+    float y[1][ChunkAcc::NI][4] = {};
+    gram_grad<false>(blk, y, dM, Xq, Yk);
+    gram_grad<false>(blk, y, dZA, Xk, Yk);
+    ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
+      const float2 pl = blk.pivot_log2(t, c), yk = Yk.get2(t, c);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int e = 2 * h + j;
+        dk.c[0][ni][e] += y[0][ni][e] * __expf(-(j ? pl.y : pl.x));
+        dG.c[0][ni][e] -= (j ? yk.y : yk.x) * y[0][ni][e];
+      }
+    });
+  }
+}
+
+// dg: the suffix sums of dΓ (`dgamma`, fp32 [kChunk][kHeadDim], written by the caller before a
+// barrier) over the chunk, the chunk-end terms at its last token; one thread per (sub-chunk,
+// channel), as Γ, the sub-chunk's total to the earlier ones through `total` ([kSubChunks][kHeadDim]).
+// A scalar gate's dg is the sum over the key channels: a warp's 32 by shuffles, the sub-chunk's four
+// warps through `part` ([kChunk][4] fp32, which may be dgamma: read before the barrier it waits on).
+// kAdd: add into dg (zero-filled, shares of several blocks) instead of writing it.
+template <bool kScalarGate, bool kAdd, class Blk>
+__device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, float* total, float* part) {
+  const int tid = threadIdx.x, own_c = tid % kHeadDim, own_a = tid / kHeadDim, t0 = own_a * kSubChunk;
+  auto put = [](float* x, float v) {
+    if constexpr (kAdd)
+      atomicAdd(x, v);
+    else
+      *x = v;
+  };
+  float run[kSubChunk], sum = 0.f;
+#pragma unroll
+  for (int t = kSubChunk - 1; t >= 0; --t) run[t] = sum += dgamma[(t0 + t) * kHeadDim + own_c];
+  total[own_a * kHeadDim + own_c] = sum;
+  __syncthreads();
+  float after = blk.end()[own_c];
+#pragma unroll
+  for (int a = 1; a < kSubChunks; ++a)
+    if (a > own_a) after += total[a * kHeadDim + own_c];
+  if constexpr (!kScalarGate) {
+#pragma unroll
+    for (int t = 0; t < kSubChunk; ++t)
+      if (t0 + t < blk.len) put(blk.p.dg + blk.at(t0 + t, own_c), after + run[t]);
+  } else {
+    static_assert(kHeadDim == 4 * 32, "a sub-chunk's threads: four warps, a quarter of the channels each");
+    const int lane = tid & 31, quarter = own_c / 32;
+#pragma unroll
+    for (int t = 0; t < kSubChunk; ++t) {
+      float x = after + run[t];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (lane == 0) part[(t0 + t) * 4 + quarter] = x;
+    }
+    __syncthreads();
+    if (tid < blk.len) {
+      const float* x = part + tid * 4;
+      put(blk.p.dg + blk.head_at(tid), (x[0] + x[1]) + (x[2] + x[3]));
+    }
+  }
+  if (tid < kChunk && tid < blk.len) put(blk.p.dbeta + blk.head_at(tid), blk.dbeta()[tid]);
+}
+
 // kScalarGate: g and dg hold one log decay per (token, head) for every key channel (GDN).
 template <Pass kPass, bool kScalarGate>
 __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const ChunkBwdParams p) {
@@ -408,8 +710,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   blk.len = p.chunk_len[blk.chunk];
   blk.head0 = (blk.bos * p.HV + blk.hv) * kHeadDim;
   if (kPass == Pass::kGradients && blk.len <= 0) return;  // an empty chunk has no gradients
-  const int len = blk.len;
-  float* gamma = blk.gamma();
   float* A = blk.A();
   const SquareTile Mt = blk.tile<SquareTile>(SmemLayout::kM);
   const SquareTile Tt = blk.tile<SquareTile>(SmemLayout::kT);
@@ -421,44 +721,11 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   };
   static_assert(kChunk * kHeadDim * 4 <= 2 * ChunkTile::kBytes, "a staged fp32 chunk takes two slots");
 
-  // Γ, the pivots h_a and the factors f_ab, one thread per (sub-chunk a, channel c): the sub-chunk's
-  // running sums in registers, its total through shared memory (over A) to the later sub-chunks.
-  // Also β, and zeros for M (its blocks above the diagonal are read) and the reductions.
-  const int own_c = tid % kHeadDim, own_a = tid / kHeadDim;  // the (sub-chunk, channel) of this thread
-  {
-    float* total = A;  // [kSubChunks][kHeadDim], until the M / A products
-    float run[kSubChunk];
-#pragma unroll
-    for (int t = 0; t < kSubChunk; ++t) run[t] = blk.load_gate<kScalarGate>(own_a * kSubChunk + t, own_c);
-    stage_qk();  // after the loads that the sums wait for
-#pragma unroll
-    for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
-    total[own_a * kHeadDim + own_c] = run[kSubChunk - 1];
-    if (tid < kChunk) {
-      blk.beta()[tid] = tid < len ? __ldg(p.beta + blk.head_at(tid)) : 0.f;
-      blk.dbeta()[tid] = 0.f;
-    }
-    if (tid < kHeadDim) blk.end()[tid] = 0.f;
+  // Γ, the pivots and the factors (the sub-chunk totals over A, until the M / A products), with q̂
+  // and k̂ staged meanwhile; zeros for M (its blocks above the diagonal are read).
+  gamma_phase<kScalarGate>(blk, A, stage_qk, [&] {
     for (int i = tid; i < SquareTile::kBytes / 16; i += kThreads) reinterpret_cast<uint4*>(Mt.p)[i] = make_uint4(0, 0, 0, 0);
-    __syncthreads();
-    float before[kSubChunks], h[kSubChunks];  // Γ before each sub-chunk, half its total
-    before[0] = 0.f;
-#pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) {
-      const float x = total[a * kHeadDim + own_c];
-      h[a] = 0.5f * x;
-      if (a + 1 < kSubChunks) before[a + 1] = before[a] + x;
-    }
-#pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) {
-      if (a != own_a) continue;
-#pragma unroll
-      for (int t = 0; t < kSubChunk; ++t) gamma[(a * kSubChunk + t) * kHeadDim + own_c] = before[a] + run[t];
-      blk.pivot()[a * kHeadDim + own_c] = h[a];
-#pragma unroll
-      for (int b = 0; b < a; ++b) blk.factor(a, b)[own_c] = __expf(before[a] - before[b] + h[a] - h[b]);
-    }
-  }
+  });
   cute::cp_async_wait<0>();  // stage_qk: this barrier completes it too
   __syncthreads();
 
@@ -490,89 +757,13 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   };
   build_gram_operands();
   __syncthreads();
-  // M (j <= i) and A (j < i), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks.
-  {
-    const int warp = tid >> 5, lane = tid & 31;
-    constexpr int kBlocks = kSubChunks * (kSubChunks + 1) / 2;
-    for (int task = warp; task < 2 * kBlocks; task += kWarps) {
-      const bool is_A = task >= kBlocks;
-      int rest = task % kBlocks, a = 0;
-      while (rest > a) rest -= ++a;
-      const int b = rest;
-      float acc[1][2][4] = {};
-      warp_mma<false, false>(acc, is_A ? Xk : Xq, Yk, kSubChunk * a, kSubChunk * b, 0, kHeadDim, false,
-                             a == b ? nullptr : blk.factor(a, b));
-#pragma unroll
-      for (int ni = 0; ni < 2; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = kSubChunk * a + sm80::FragAcc::m(lane, e), j = kSubChunk * b + 8 * ni + sm80::FragAcc::n(lane, e);
-          const bool keep = is_A ? j < i : j <= i;
-          const float x = keep ? acc[0][ni][e] : 0.f;
-          if (is_A)
-            blk.A(i, j) = x;
-          else
-            Mt.p[i * SquareTile::kStride + j] = __float2bfloat16(x);
-        }
-    }
-  }
+  gram_products(blk, Mt, Xq, Xk, Yk);
   __syncthreads();
-  // L = (I + Ab)⁻¹, Ab = diag(β) A strictly lower, by 16 x 16 blocks (fp32): each diagonal block
-  // L_aa = (I + Ab_aa)⁻¹ by forward substitution, one column per lane of warp a, in registers; then
-  // the blocks below, one warp per block column b, for a = b + 1 .. in order (from (I + Ab) L = I):
-  // L_ab = −L_aa diag(β_a) Σ_{b<=c<a} A_ac L_cb, as 16 x 16 x 16 products on the tf32 tensor cores
-  // (L reaches the later products as bf16, so tf32 operands cost them nothing).
+  // L and T (the solve: fp32 L over slot 3, the scratch in slot 4), v in flight over Xk.
   const ChunkTile kg = blk.slot(0), vt = blk.slot(1), wt = blk.slot(2);
-  blk.copy_rows_async(vt, p.v);  // over Xk, in flight during the solve
-  {
-    const sm80::PlainF32 L{reinterpret_cast<float*>(smem + SmemLayout::slot(3)), kF32Stride};
-    const sm80::PlainF32 Af{A, kF32Stride};
-    auto block = [](const sm80::PlainF32& m, int a, int b) {
-      return sm80::PlainF32{m.p + a * kSubChunk * m.stride + b * kSubChunk, m.stride};
-    };
-    const float* beta = blk.beta();
-    const int warp = tid >> 5, lane = tid & 31;
-    if (warp < kSubChunks && lane < kSubChunk) {  // column `lane` of L_aa, a = warp
-      const int o = warp * kSubChunk, j = lane;
-      float x[kSubChunk];  // zero above the diagonal (i < j) by the recurrence itself
-#pragma unroll
-      for (int i = 0; i < kSubChunk; ++i) {
-        float sum = 0.f;
-#pragma unroll
-        for (int l = 0; l < i; ++l) sum += Af.at(o + i, o + l) * x[l];
-        x[i] = (i == j ? 1.f : 0.f) - beta[o + i] * sum;
-        L.at(o + i, o + j) = x[i];
-      }
-    }
-    __syncthreads();
-    if (warp < kSubChunks - 1) {
-      const int b = warp;
-      const sm80::PlainF32 scratch{reinterpret_cast<float*>(smem + SmemLayout::slot(4)) + warp * kSubChunk * kScratchStride,
-                                   kScratchStride};
-      for (int a = b + 1; a < kSubChunks; ++a) {
-        float acc[2][4] = {};
-        for (int c = b; c < a; ++c) sm80::block_product_tf32<false>(acc, block(Af, a, c), block(L, c, b));
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][e] *= beta[a * kSubChunk + sm80::FragAcc::m(lane, e)];
-        sm80::store_block(scratch, acc, 1.f);
-        __syncwarp();
-        float out[2][4] = {};
-        sm80::block_product_tf32<false>(out, block(L, a, a), scratch);
-        sm80::store_block(block(L, a, b), out, -1.f);
-        __syncwarp();  // L_ab is read by the next step; the scratch is rewritten
-      }
-    }
-    __syncthreads();
-    for (int i = tid; i < kChunk * kChunk / 2; i += kThreads) {  // zero above the diagonal blocks
-      const int r = i / (kChunk / 2), c = (i % (kChunk / 2)) * 2;
-      const bool below = c / kSubChunk <= r / kSubChunk;
-      const float l0 = below ? L.at(r, c) : 0.f, l1 = below ? L.at(r, c + 1) : 0.f;
-      Lt.store2(r, c, l0, l1);
-      Tt.store2(r, c, l0 * beta[c], l1 * beta[c + 1]);
-    }
-  }
+  blk.copy_rows_async(vt, p.v);
+  solve(blk, reinterpret_cast<float*>(smem + SmemLayout::slot(3)), reinterpret_cast<float*>(smem + SmemLayout::slot(4)),
+        Lt, Tt);
   // k̂ e^Γ from the k̂ still staged (over Xq: the solve above ended with a barrier), and v.
   for (int i = tid; i < kChunk * kHeadDim / 2; i += kThreads) {
     const int t = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
@@ -642,17 +833,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     dq.zero();
     dk.zero();
     dG.zero();
-    // From the gradient d of x e^Γ (x = q̂ or k̂): dx += e^Γ d, and dΓ += x e^Γ d.
-    auto add_through_decay = [&](const ChunkAcc& d, ChunkAcc& dx, const float* x_src) {
-      ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-        const float2 G = blk.G2(t, c), xs = blk.load2(x_src, t, c);
-        const float x0 = d.c[mi][ni][2 * h] * __expf(G.x), x1 = d.c[mi][ni][2 * h + 1] * __expf(G.y);
-        dx.c[mi][ni][2 * h] += x0;
-        dx.c[mi][ni][2 * h + 1] += x1;
-        dG.c[mi][ni][2 * h] += xs.x * x0;
-        dG.c[mi][ni][2 * h + 1] += xs.y * x1;
-      });
-    };
     cute::cp_async_wait<0>();  // S and dO
     __syncthreads();
     u.mma<false, true>(wt, St, 0, kHeadDim, true);  // U = T v − w S
@@ -661,7 +841,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       ChunkAcc dqg;  // of q̂ e^Γ: dO Sᵀ
       dqg.zero();
       dqg.mma<false, false>(dOt, St, 0, kHeadDim);
-      add_through_decay(dqg, dq, p.q);
+      add_through_decay(blk, dqg, dq, dG, p.q);
     }
     __syncthreads();
     // dS' (the next state's gradient) over S, and e^{Γ_C} Σ_v S dS' to the chunk's end; kd over w.
@@ -683,28 +863,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       ChunkAcc dkd;  // of kd: U dS'ᵀ
       dkd.zero();
       dkd.mma<false, false>(Ut, St, 0, kHeadDim);
-      float end_part[ChunkAcc::NI][2] = {};
-      ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-        const float2 G = blk.G2(t, c), ks = blk.load2(p.k, t, c);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const float decay = __expf(blk.G_end(c + j) - (j ? G.y : G.x));
-          const float kdv = (j ? ks.y : ks.x) * decay, x = dkd.c[mi][ni][2 * h + j];
-          dk.c[mi][ni][2 * h + j] += x * decay;
-          dG.c[mi][ni][2 * h + j] -= kdv * x;
-          end_part[ni][j] += kdv * x;
-        }
-      });
-      const int lane = tid & 31;
-#pragma unroll
-      for (int ni = 0; ni < ChunkAcc::NI; ++ni)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float x = end_part[ni][h];  // sum over the warp's rows (lanes with the same lane % 4)
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-          if (lane < 4) atomicAdd(blk.end() + ChunkAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
-        }
+      add_kd_grad(blk, dkd, dk, dG);
       dM.zero();
       dM.mma<false, false>(dOt, Ut, 0, kHeadDim);
     }
@@ -735,25 +894,12 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       dT.zero();
       dT.mma<false, false>(dUt, vt, 0, kHeadDim);
       dT.mma<false, false>(dwt, kg, 0, kHeadDim);
-      float col_part[SquareAcc::NI][2] = {};
-      SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
-        col_part[ni][e & 1] += dT.c[mi][ni][e] * Lt.get(i, j);
-      });
-      const int lane = tid & 31;
-#pragma unroll
-      for (int ni = 0; ni < SquareAcc::NI; ++ni)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float x = col_part[ni][h];
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-          if (lane < 4) atomicAdd(blk.dbeta() + SquareAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
-        }
+      add_dbeta_of_T(blk, dT, Lt);
       dT.store(X1, [&](int, int j, float x) { return x * blk.beta()[j]; });
       ChunkAcc dkg;  // Tᵀ dw
       dkg.zero();
       dkg.mma<true, true>(Tt, dwt, 0, kChunk);
-      add_through_decay(dkg, dk, p.k);
+      add_through_decay(blk, dkg, dk, dG, p.k);
     }
     __syncthreads();
     {
@@ -768,21 +914,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       SquareAcc Gd;
       Gd.zero();
       Gd.mma<false, false>(Y1, Lt, 0, kChunk, true);
-      float row_part[SquareAcc::MI][2] = {};
-      SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
-        if (j >= i) Gd.c[mi][ni][e] = 0.f;
-        if (j < i) row_part[mi][e >> 1] += Gd.c[mi][ni][e] * blk.A(i, j);  // A holds only j < i
-      });
-      const int lane = tid & 31;
-#pragma unroll
-      for (int mi = 0; mi < SquareAcc::MI; ++mi)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float x = row_part[mi][h];  // sum over the lanes of one row (lane / 4 fixed)
-          x += __shfl_xor_sync(0xffffffffu, x, 1);
-          x += __shfl_xor_sync(0xffffffffu, x, 2);
-          if ((lane & 3) == 0) atomicAdd(blk.dbeta() + SquareAcc::m0() + 16 * mi + sm80::FragAcc::m(lane, 2 * h), x);
-        }
+      mask_and_add_dbeta_of_A(blk, Gd, [&](int, int, int, int i, int j) { return blk.A(i, j); });  // A: j < i
       Gd.store(dZA, [&](int i, int, float x) { return x * blk.beta()[i]; });
     }
     __syncthreads();
@@ -791,42 +923,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     __syncthreads();
     build_gram_operands();  // over k̂ e^Γ, v and kd
     __syncthreads();
-    // The Gram matrices' gradients: M (x = q̂, y = k̂, dM) and A (x = y = k̂, dZA), each side apart:
-    // the x-side's dx = e^{γ−h} acc, the y-side's dy = e^{h−γ} acc. The decay's share x dx − y dy
-    // is taken as X acc − Y acc with the bf16 operands X = x e^{γ−h}, Y = y e^{h−γ} of the products
-    // themselves: each pair (i, j) then adds and takes off the same product, so the pairs cancel in
-    // dg's suffix sums as in exact arithmetic (with x dx, the two roundings of a pair differ, and
-    // the residues of all pairs summed into dg: measured 2.2x FLA's dg error, 8x its ddt_bias).
-    {  // x-sides: dq from M, dk from A (one pivot factor e^{γ−h} per element for both)
-      float xM[1][ChunkAcc::NI][4] = {}, xA[1][ChunkAcc::NI][4] = {};
-      gram_grad<true>(blk, xM, Mt, Xq, Yk);
-      gram_grad<true>(blk, xA, dZA, Xk, Yk);
-      ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
-        const float2 pl = blk.pivot_log2(t, c), xq = Xq.get2(t, c), xk = Xk.get2(t, c);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int e = 2 * h + j;
-          const float up = __expf(j ? pl.y : pl.x);
-          dq.c[0][ni][e] += xM[0][ni][e] * up;
-          dk.c[0][ni][e] += xA[0][ni][e] * up;
-          dG.c[0][ni][e] += (j ? xq.y : xq.x) * xM[0][ni][e] + (j ? xk.y : xk.x) * xA[0][ni][e];
-        }
-      });
-    }
-    {  // the y-sides of M and A, both of k̂, summed before their factor e^{h−γ}
-      float y[1][ChunkAcc::NI][4] = {};
-      gram_grad<false>(blk, y, Mt, Xq, Yk);
-      gram_grad<false>(blk, y, dZA, Xk, Yk);
-      ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
-        const float2 pl = blk.pivot_log2(t, c), yk = Yk.get2(t, c);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int e = 2 * h + j;
-          dk.c[0][ni][e] += y[0][ni][e] * __expf(-(j ? pl.y : pl.x));
-          dG.c[0][ni][e] -= (j ? yk.y : yk.x) * y[0][ni][e];
-        }
-      });
-    }
+    add_gram_grads(blk, dq, dk, dG, Mt, dZA, Xq, Xk, Yk);  // dM over M
     ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
       blk.store2(p.dq, DType::kFloat32, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
       blk.store2(p.dk, DType::kFloat32, t, c, dk.c[mi][ni][2 * h], dk.c[mi][ni][2 * h + 1]);
@@ -837,42 +934,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
     });
     __syncthreads();
-    {  // one thread per (sub-chunk, channel), as Γ: the sub-chunk's suffix sums, its total to the earlier ones
-      float* total = A;  // [kSubChunks][kHeadDim] (A is read no more)
-      const int t0 = own_a * kSubChunk;
-      float run[kSubChunk], sum = 0.f;
-#pragma unroll
-      for (int t = kSubChunk - 1; t >= 0; --t) run[t] = sum += dgamma[(t0 + t) * kHeadDim + own_c];
-      total[own_a * kHeadDim + own_c] = sum;
-      __syncthreads();
-      float after = blk.end()[own_c];
-#pragma unroll
-      for (int a = 1; a < kSubChunks; ++a)
-        if (a > own_a) after += total[a * kHeadDim + own_c];
-      if constexpr (!kScalarGate) {
-#pragma unroll
-        for (int t = 0; t < kSubChunk; ++t)
-          if (t0 + t < len) p.dg[blk.at(t0 + t, own_c)] = after + run[t];
-      } else {  // the sum over the key channels: a warp's 32 by shuffles, the sub-chunk's four warps
-        // through shared memory (over dgamma, read by every thread before the barrier above)
-        static_assert(kHeadDim == 4 * 32, "a sub-chunk's threads: four warps, a quarter of the channels each");
-        float* part = dgamma;  // [kChunk][4]
-        const int lane = tid & 31, quarter = own_c / 32;
-#pragma unroll
-        for (int t = 0; t < kSubChunk; ++t) {
-          float x = after + run[t];
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-          if (lane == 0) part[(t0 + t) * 4 + quarter] = x;
-        }
-        __syncthreads();
-        if (tid < len) {
-          const float* x = part + tid * 4;
-          p.dg[blk.head_at(tid)] = (x[0] + x[1]) + (x[2] + x[3]);
-        }
-      }
-    }
-    if (tid < kChunk && tid < len) p.dbeta[blk.head_at(tid)] = blk.dbeta()[tid];
+    write_dg<kScalarGate, false>(blk, dgamma, A, dgamma);  // totals over A (read no more)
   }
 }
 

@@ -154,6 +154,14 @@ __device__ __forceinline__ void copy_state_part_async(const SplitBlock& blk, con
   cute::cp_async_fence();
 }
 
+// The decayed Gram block (a, b) (b <= a) of X Yᵀ: with the factor f_ab below the diagonal.
+template <class Blk>
+__device__ __forceinline__ void gram_block(const Blk& blk, float (&acc)[1][2][4], const ChunkTile& X, const ChunkTile& Y,
+                                           int a, int b) {
+  warp_mma<false, false>(acc, X, Y, kSubChunk * a, kSubChunk * b, 0, kHeadDim, false,
+                         a == b ? nullptr : blk.factor(a, b));
+}
+
 template <bool kScalarGate>
 __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(const ChunkBwdParams p) {
   using L = SplitLayout;
@@ -166,7 +174,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
   if (blk.len <= 0) return;  // an empty chunk has no gradients
   const int len = blk.len;
   const int v0 = int(blockIdx.z) * kPartV;  // this block's value columns: v0 .. v0 + kPartV - 1
-  float* gamma = blk.gamma();
   auto region = [&](SmemRegion r) { return smem + L::at(r); };
   auto chunk_tile = [&](SmemRegion r) { return ChunkTile{reinterpret_cast<Bf16*>(region(r))}; };
   auto square_tile = [&](SmemRegion r) { return SquareTile{reinterpret_cast<Bf16*>(region(r))}; };
@@ -176,43 +183,11 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
   const PartTile vt = part_tile(L::kV);
   const StatePartTile St{reinterpret_cast<Bf16*>(region(L::kS))};
 
-  // kPhaseGamma: Γ, the pivots h_a and the factors f_ab, one thread per (sub-chunk a, channel c), as
-  // the whole pass; k̂ then q̂ (fp32) staged meanwhile.
-  const int own_c = tid % kHeadDim, own_a = tid / kHeadDim;
-  {
-    float* total = reinterpret_cast<float*>(region(L::kTotals));
-    float run[kSubChunk];
-#pragma unroll
-    for (int t = 0; t < kSubChunk; ++t) run[t] = blk.load_gate<kScalarGate>(own_a * kSubChunk + t, own_c);
+  // kPhaseGamma: Γ, the pivots and the factors as the whole pass; k̂ then q̂ (fp32) staged meanwhile.
+  gamma_phase<kScalarGate>(blk, reinterpret_cast<float*>(region(L::kTotals)), [&] {
     blk.copy_rows_async(region(L::kKStaged), kHeadDim * 4, p.k);
     blk.copy_rows_async(region(L::kQStaged), kHeadDim * 4, p.q);
-#pragma unroll
-    for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
-    total[own_a * kHeadDim + own_c] = run[kSubChunk - 1];
-    if (tid < kChunk) {
-      blk.beta()[tid] = tid < len ? __ldg(p.beta + blk.head_at(tid)) : 0.f;
-      blk.dbeta()[tid] = 0.f;
-    }
-    if (tid < kHeadDim) blk.end()[tid] = 0.f;
-    __syncthreads();
-    float before[kSubChunks], h[kSubChunks];
-    before[0] = 0.f;
-#pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) {
-      const float x = total[a * kHeadDim + own_c];
-      h[a] = 0.5f * x;
-      if (a + 1 < kSubChunks) before[a + 1] = before[a] + x;
-    }
-#pragma unroll
-    for (int a = 0; a < kSubChunks; ++a) {
-      if (a != own_a) continue;
-#pragma unroll
-      for (int t = 0; t < kSubChunk; ++t) gamma[(a * kSubChunk + t) * kHeadDim + own_c] = before[a] + run[t];
-      blk.pivot()[a * kHeadDim + own_c] = h[a];
-#pragma unroll
-      for (int b = 0; b < a; ++b) blk.factor(a, b)[own_c] = __expf(before[a] - before[b] + h[a] - h[b]);
-    }
-  }
+  }, [] {});
   cute::cp_async_wait<1>();  // k̂ (q̂ may still be in flight)
   __syncthreads();
 
@@ -264,90 +239,13 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
   for (int i = tid; i < SquareTile::kBytes / 16; i += kThreads) reinterpret_cast<uint4*>(Mt.p)[i] = make_uint4(0, 0, 0, 0);
   __syncthreads();
 
-  // kPhaseGram: M (j <= i) and A (j < i), 16 x 16 blocks on and below the diagonal. The block task
-  // (is_A, a, b) as the whole pass; gram_block also serves kPhaseGd's recomputed A.
-  auto gram_block = [&](float (&acc)[1][2][4], const ChunkTile& X, const ChunkTile& Y, int a, int b) {
-    warp_mma<false, false>(acc, X, Y, kSubChunk * a, kSubChunk * b, 0, kHeadDim, false,
-                           a == b ? nullptr : blk.factor(a, b));
-  };
-  {
-    const int warp = tid >> 5, lane = tid & 31;
-    constexpr int kBlocks = kSubChunks * (kSubChunks + 1) / 2;
-    for (int task = warp; task < 2 * kBlocks; task += kWarps) {
-      const bool is_A = task >= kBlocks;
-      int rest = task % kBlocks, a = 0;
-      while (rest > a) rest -= ++a;
-      const int b = rest;
-      float acc[1][2][4] = {};
-      gram_block(acc, is_A ? Xk : Xq, Yk, a, b);
-#pragma unroll
-      for (int ni = 0; ni < 2; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = kSubChunk * a + sm80::FragAcc::m(lane, e), j = kSubChunk * b + 8 * ni + sm80::FragAcc::n(lane, e);
-          const bool keep = is_A ? j < i : j <= i;
-          const float x = keep ? acc[0][ni][e] : 0.f;
-          if (is_A)
-            blk.A(i, j) = x;
-          else
-            Mt.p[i * SquareTile::kStride + j] = __float2bfloat16(x);
-        }
-    }
-  }
+  // kPhaseGram
+  gram_products(blk, Mt, Xq, Xk, Yk);
   __syncthreads();
 
   // kPhaseSolve: L = (I + diag(β) A)⁻¹ by 16 x 16 blocks, as the whole pass; this half of v staged.
   blk.copy_rows_async<kPartV>(region(L::kV), PartTile::kStride * 2, p.v + v0);
-  {
-    const sm80::PlainF32 Lf{reinterpret_cast<float*>(region(L::kLf)), kF32Stride};
-    const sm80::PlainF32 Af{blk.A(), kF32Stride};
-    auto block = [](const sm80::PlainF32& m, int a, int b) {
-      return sm80::PlainF32{m.p + a * kSubChunk * m.stride + b * kSubChunk, m.stride};
-    };
-    const float* beta = blk.beta();
-    const int warp = tid >> 5, lane = tid & 31;
-    if (warp < kSubChunks && lane < kSubChunk) {
-      const int o = warp * kSubChunk, j = lane;
-      float x[kSubChunk];
-#pragma unroll
-      for (int i = 0; i < kSubChunk; ++i) {
-        float sum = 0.f;
-#pragma unroll
-        for (int l = 0; l < i; ++l) sum += Af.at(o + i, o + l) * x[l];
-        x[i] = (i == j ? 1.f : 0.f) - beta[o + i] * sum;
-        Lf.at(o + i, o + j) = x[i];
-      }
-    }
-    __syncthreads();
-    if (warp < kSubChunks - 1) {
-      const int b = warp;
-      const sm80::PlainF32 scratch{reinterpret_cast<float*>(region(L::kScratch)) + warp * kSubChunk * kScratchStride,
-                                   kScratchStride};
-      for (int a = b + 1; a < kSubChunks; ++a) {
-        float acc[2][4] = {};
-        for (int c = b; c < a; ++c) sm80::block_product_tf32<false>(acc, block(Af, a, c), block(Lf, c, b));
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[nt][e] *= beta[a * kSubChunk + sm80::FragAcc::m(lane, e)];
-        sm80::store_block(scratch, acc, 1.f);
-        __syncwarp();
-        float out[2][4] = {};
-        sm80::block_product_tf32<false>(out, block(Lf, a, a), scratch);
-        sm80::store_block(block(Lf, a, b), out, -1.f);
-        __syncwarp();
-      }
-    }
-    __syncthreads();
-    // kPhaseLT
-    for (int i = tid; i < kChunk * kChunk / 2; i += kThreads) {
-      const int r = i / (kChunk / 2), c = (i % (kChunk / 2)) * 2;
-      const bool below = c / kSubChunk <= r / kSubChunk;
-      const float l0 = below ? Lf.at(r, c) : 0.f, l1 = below ? Lf.at(r, c + 1) : 0.f;
-      Lt.store2(r, c, l0, l1);
-      Tt.store2(r, c, l0 * beta[c], l1 * beta[c + 1]);
-    }
-  }
+  solve(blk, reinterpret_cast<float*>(region(L::kLf)), reinterpret_cast<float*>(region(L::kScratch)), Lt, Tt);
   cute::cp_async_wait<0>();  // v
   __syncthreads();
 
@@ -369,16 +267,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
   dq.zero();
   dk.zero();
   dG.zero();
-  auto add_through_decay = [&](const ChunkAcc& d, ChunkAcc& dx, const float* x_src) {
-    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-      const float2 G = blk.G2(t, c), xs = blk.load2(x_src, t, c);
-      const float x0 = d.c[mi][ni][2 * h] * __expf(G.x), x1 = d.c[mi][ni][2 * h + 1] * __expf(G.y);
-      dx.c[mi][ni][2 * h] += x0;
-      dx.c[mi][ni][2 * h + 1] += x1;
-      dG.c[mi][ni][2 * h] += xs.x * x0;
-      dG.c[mi][ni][2 * h + 1] += xs.y * x1;
-    });
-  };
   cute::cp_async_wait<0>();  // S and dO
   __syncthreads();
 
@@ -390,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     ChunkAcc dqg;  // of q̂ e^Γ: dO Sᵀ (this half's value columns)
     dqg.zero();
     dqg.mma<false, false>(dOt, St, 0, kPartV);
-    add_through_decay(dqg, dq, p.q);
+    add_through_decay(blk, dqg, dq, dG, p.q);
   }
   __syncthreads();
 
@@ -431,28 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     ChunkAcc dkd;  // of kd: U dS'ᵀ
     dkd.zero();
     dkd.mma<false, false>(Ut, St, 0, kPartV);
-    float end_part[ChunkAcc::NI][2] = {};
-    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-      const float2 G = blk.G2(t, c), ks = blk.load2(p.k, t, c);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float decay = __expf(blk.G_end(c + j) - (j ? G.y : G.x));
-        const float kdv = (j ? ks.y : ks.x) * decay, x = dkd.c[mi][ni][2 * h + j];
-        dk.c[mi][ni][2 * h + j] += x * decay;
-        dG.c[mi][ni][2 * h + j] -= kdv * x;
-        end_part[ni][j] += kdv * x;
-      }
-    });
-    const int lane = tid & 31;
-#pragma unroll
-    for (int ni = 0; ni < ChunkAcc::NI; ++ni)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float x = end_part[ni][h];
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-        if (lane < 4) atomicAdd(blk.end() + ChunkAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
-      }
+    add_kd_grad(blk, dkd, dk, dG);
     dM.zero();
     dM.mma<false, false>(dOt, Ut, 0, kPartV);
   }
@@ -485,25 +352,12 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     dT.zero();
     dT.mma<false, false>(dUt, vt, 0, kPartV);
     dT.mma<false, false>(dwt, kg, 0, kHeadDim);
-    float col_part[SquareAcc::NI][2] = {};
-    SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
-      col_part[ni][e & 1] += dT.c[mi][ni][e] * Lt.get(i, j);
-    });
-    const int lane = tid & 31;
-#pragma unroll
-    for (int ni = 0; ni < SquareAcc::NI; ++ni)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float x = col_part[ni][h];
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-        if (lane < 4) atomicAdd(blk.dbeta() + SquareAcc::n0() + 8 * ni + sm80::FragAcc::n(lane, h), x);
-      }
+    add_dbeta_of_T(blk, dT, Lt);
     dT.store(X1, [&](int, int j, float x) { return x * blk.beta()[j]; });
     ChunkAcc dkg;  // Tᵀ dw
     dkg.zero();
     dkg.mma<true, true>(Tt, dwt, 0, kChunk);
-    add_through_decay(dkg, dk, p.k);
+    add_through_decay(blk, dkg, dk, dG, p.k);
   }
   __syncthreads();
 
@@ -535,22 +389,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     Gd.mma<false, false>(Y1, Lt, 0, kChunk, true);
     const int a = SquareAcc::m0() / kSubChunk, b = SquareAcc::n0() / kSubChunk;
     float Ab[1][2][4] = {};
-    if (b <= a) gram_block(Ab, Xk2, Yk2, a, b);
-    float row_part[SquareAcc::MI][2] = {};
-    SquareAcc::for_each([&](int mi, int ni, int e, int i, int j) {
-      if (j >= i) Gd.c[mi][ni][e] = 0.f;
-      if (j < i) row_part[mi][e >> 1] += Gd.c[mi][ni][e] * Ab[mi][ni][e];
-    });
-    const int lane = tid & 31;
-#pragma unroll
-    for (int mi = 0; mi < SquareAcc::MI; ++mi)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float x = row_part[mi][h];
-        x += __shfl_xor_sync(0xffffffffu, x, 1);
-        x += __shfl_xor_sync(0xffffffffu, x, 2);
-        if ((lane & 3) == 0) atomicAdd(blk.dbeta() + SquareAcc::m0() + 16 * mi + sm80::FragAcc::m(lane, 2 * h), x);
-      }
+    if (b <= a) gram_block(blk, Ab, Xk2, Yk2, a, b);
+    mask_and_add_dbeta_of_A(blk, Gd, [&](int mi, int ni, int e, int, int) { return Ab[mi][ni][e]; });
     Gd.store(dZA, [&](int i, int, float x) { return x * blk.beta()[i]; });
   }
   __syncthreads();
@@ -563,38 +403,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
   build_q_side(reinterpret_cast<const float*>(region(L::kQStaged2)), Xq2);
   __syncthreads();
 
-  // kPhaseGramGrad: as the whole pass (its comments say why the decay's share is taken from the
-  // bf16 operands).
-  {
-    float xM[1][ChunkAcc::NI][4] = {}, xA[1][ChunkAcc::NI][4] = {};
-    gram_grad<true>(blk, xM, Mt, Xq2, Yk2);
-    gram_grad<true>(blk, xA, dZA, Xk2, Yk2);
-    ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
-      const float2 pl = blk.pivot_log2(t, c), xq = Xq2.get2(t, c), xk = Xk2.get2(t, c);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int e = 2 * h + j;
-        const float up = __expf(j ? pl.y : pl.x);
-        dq.c[0][ni][e] += xM[0][ni][e] * up;
-        dk.c[0][ni][e] += xA[0][ni][e] * up;
-        dG.c[0][ni][e] += (j ? xq.y : xq.x) * xM[0][ni][e] + (j ? xk.y : xk.x) * xA[0][ni][e];
-      }
-    });
-  }
-  {
-    float y[1][ChunkAcc::NI][4] = {};
-    gram_grad<false>(blk, y, Mt, Xq2, Yk2);
-    gram_grad<false>(blk, y, dZA, Xk2, Yk2);
-    ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
-      const float2 pl = blk.pivot_log2(t, c), yk = Yk2.get2(t, c);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int e = 2 * h + j;
-        dk.c[0][ni][e] += y[0][ni][e] * __expf(-(j ? pl.y : pl.x));
-        dG.c[0][ni][e] -= (j ? yk.y : yk.x) * y[0][ni][e];
-      }
-    });
-  }
+  // kPhaseGramGrad
+  add_gram_grads(blk, dq, dk, dG, Mt, dZA, Xq2, Xk2, Yk2);  // dM over M
   // This half's shares into the zero-filled outputs.
   ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
     if (t >= len) return;
@@ -611,40 +421,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
   });
   __syncthreads();
-  {
-    float* total = reinterpret_cast<float*>(region(L::kTotals2));
-    const int t0 = own_a * kSubChunk;
-    float run[kSubChunk], sum = 0.f;
-#pragma unroll
-    for (int t = kSubChunk - 1; t >= 0; --t) run[t] = sum += dgamma[(t0 + t) * kHeadDim + own_c];
-    total[own_a * kHeadDim + own_c] = sum;
-    __syncthreads();
-    float after = blk.end()[own_c];
-#pragma unroll
-    for (int a = 1; a < kSubChunks; ++a)
-      if (a > own_a) after += total[a * kHeadDim + own_c];
-    if constexpr (!kScalarGate) {
-#pragma unroll
-      for (int t = 0; t < kSubChunk; ++t)
-        if (t0 + t < len) atomicAdd(p.dg + blk.at(t0 + t, own_c), after + run[t]);
-    } else {  // the sum over the key channels, as the whole pass
-      float* part = reinterpret_cast<float*>(region(L::kPart));  // [kChunk][4]
-      const int lane = tid & 31, quarter = own_c / 32;
-#pragma unroll
-      for (int t = 0; t < kSubChunk; ++t) {
-        float x = after + run[t];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-        if (lane == 0) part[(t0 + t) * 4 + quarter] = x;
-      }
-      __syncthreads();
-      if (tid < len) {
-        const float* x = part + tid * 4;
-        atomicAdd(p.dg + blk.head_at(tid), (x[0] + x[1]) + (x[2] + x[3]));
-      }
-    }
-  }
-  if (tid < kChunk && tid < len) atomicAdd(p.dbeta + blk.head_at(tid), blk.dbeta()[tid]);
+  write_dg<kScalarGate, true>(blk, dgamma, reinterpret_cast<float*>(region(L::kTotals2)),
+                              reinterpret_cast<float*>(region(L::kPart)));
 }
 
 }  // namespace chunk_bwd
