@@ -386,14 +386,17 @@ STATE_GRAD_CASES = {
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("family", ["auto", "sm80"])
 @pytest.mark.parametrize("kept", [False, True], ids=["forward_again", "kept_records"])
 @pytest.mark.parametrize("case", list(STATE_GRAD_CASES))
-def test_chunk_state_grad_matches_reference(case, kept):
+def test_chunk_state_grad_matches_reference(case, kept, family):
     """``chunk_state_grad`` (the forward kernels' states at chunk starts, then the backward walk on
     their records; ``kept``: on the states and records of an earlier ``chunk_fwd``, with no forward
     again) against fp64 scans of the chunk maps from the preprocessed inputs: the states, the
     gradients of the states after every chunk and the initial state's gradient, in the backward's
-    chunk layout (pools and records poisoned with NaN; entries of no chunk are not compared)."""
+    chunk layout (pools and records poisoned with NaN; entries of no chunk are not compared). Both
+    variants of the kernels: bulk copies and warpgroup MMAs on sm_90 (``auto``), cp.async and
+    mma.sync (the sm_80 family, forced)."""
     kw = make_inputs(D=128, device="cuda", seed=17, **STATE_GRAD_CASES[case])
     q, k, v, g, beta = (kw[n] for n in ("q", "k", "v", "g", "beta"))
     B, T, HV, K = v.shape
@@ -412,9 +415,12 @@ def test_chunk_state_grad_matches_reference(case, kept):
     records = None
     if kept:
         records = torch.full((chunks * HV * _ext.CHUNK_RECORD_BYTES,), 0xFF, dtype=torch.uint8, device="cuda")
-        _ext.chunk_fwd_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, None, torch.empty_like(v), *flags, False, 0, -1,
-                          states, None, None, None, records)
-    dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, *flags, do, dht, states, nexts, records)
+    with _ext.kernel_family(family):
+        if kept:
+            _ext.chunk_fwd_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, None, torch.empty_like(v), *flags, False, 0, -1,
+                              states, None, None, None, records)
+        dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, *flags, do, dht, states, nexts,
+                                       records)
 
     qp, kp, gp, bp = (x.double().cpu() for x in token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags))
     rows = B * T

@@ -248,6 +248,35 @@ __device__ __forceinline__ void load_stage(const ChunkParams& p, typename Shape:
   }
 }
 
+// The stages' mbarriers (sm_90 variants: one per stage, counting the record's bulk copy), set up
+// before any copy is issued; the block's barrier makes them visible.
+template <int kVariant, int kStages>
+__device__ __forceinline__ void init_stage_barriers(uint64_t (&stage_full)[kStages]) {
+#ifdef FLASHKDA_BULK_COPY
+  if constexpr (kVariant != kCpAsyncMma) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
+      sm90::fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
+#else
+  (void)stage_full;
+#endif
+}
+
+// Waits for the loads of step i (issued kStages − 1 steps ahead): this thread's cp.async groups up
+// to it and, in the sm_90 variants, the record's bulk copy (phase i / kStages of its stage's barrier).
+template <int kVariant, int kStages>
+__device__ __forceinline__ void wait_stage(uint64_t (&stage_full)[kStages], int64_t i) {
+  sm80::cp_async_wait<kStages - 1>();
+#ifdef FLASHKDA_BULK_COPY
+  if constexpr (kVariant != kCpAsyncMma) sm90::mbarrier_wait(&stage_full[i % kStages], uint32_t(i / kStages) & 1);
+#else
+  (void)stage_full, (void)i;
+#endif
+}
+
 // Sᵀ ⊙ decay: key column d of the m16n8 accumulators (columns 8 nt + 2 t4 (+ 1)) times decay[d].
 template <int kKeyTiles>
 __device__ __forceinline__ void scale_key_columns(float (&s)[kKeyTiles][4], const float* decay, int t4) {
@@ -312,15 +341,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
     // Without chunks no chunk_prepare ran: the grid before this one may be any (see below).
     if (p.num_chunk_slots == 0) wait_prior_grid();
     __shared__ uint64_t stage_full[Shape::kStages];  // record bytes landed (bulk copies only)
-#ifdef FLASHKDA_BULK_COPY
-    if constexpr (kVariant != kCpAsyncMma) {
-      if (threadIdx.x == 0) {
-        for (int i = 0; i < Shape::kStages; ++i) sm90::mbarrier_init(&stage_full[i], 1);
-        sm90::fence_mbarrier_init();
-      }
-      __syncthreads();
-    }
-#endif
+    init_stage_barriers<kVariant>(stage_full);
 
     // Grid: (value blocks [x2 for kSegmentLocal: the transition's rows], HV, N [x segments]).
     constexpr int kValueBlocks = kHeadDim / kBlockV;
@@ -437,10 +458,7 @@ __global__ void __launch_bounds__(RecurrenceShape<kBlockV>::kThreads, 1)
       if (i + 1 == j1 - j0) allow_next_grid();
       __syncthreads();  // every warp is done with the stage that the next load overwrites
       issue(i + kStages - 1);
-      sm80::cp_async_wait<kStages - 1>();
-#ifdef FLASHKDA_BULK_COPY
-      if constexpr (kVariant != kCpAsyncMma) sm90::mbarrier_wait(&stage_full[i % kStages], uint32_t(i / kStages) & 1);
-#endif
+      wait_stage<kVariant>(stage_full, i);
       __syncthreads();
       // The state before chunk j.
       if (loads_slots) {
