@@ -140,19 +140,20 @@ def main():
         os.environ[integ.TRAINING_ENV_VAR] = "1"
     if not integ.is_registered() and not integ.register():
         print("WARNING: flashkda is NOT registered as an FLA backend: both rows run FLA's kernels.")
-    runs = {"fla": train("0", 0, args.steps, args.layers, args.gate),
-            "fla_seed1": train("0", 1, args.steps, args.layers, args.gate),
-            "flashkda_backend": train("1", 0, args.steps, args.layers, args.gate)}
-    spread = abs(runs["fla"]["final_loss"] - runs["fla_seed1"]["final_loss"])
     source = (f"bench/train_fla_model.py: KDAForCausalLM {args.layers} layers, hidden 2048, 16x128, {args.gate} gate, "
               f"bf16 + AdamW, {SEQS}x{SEQ_LEN} packed tokens, {args.steps} steps; step_ms median after 5 steps")
-    for impl, r in runs.items():
+    runs = {}
+    # the comparison first, FLA's second data order last: each run is recorded as it ends
+    for impl, backend, seed in (("fla", "0", 0), ("flashkda_backend", "1", 0), ("fla_seed1", "0", 1)):
+        r = runs[impl] = train(backend, seed, args.steps, args.layers, args.gate)
         common.record(CASE, impl, r["step_ms"], 0.0, step_ms=round(r["step_ms"], 3),
                       calls_served=r["calls_served"], calls_total=r["calls_total"],
                       fla_kda_kernels=r["fla_kda_kernels"], final_loss=round(r["final_loss"], 5),
                       first_loss=round(r["losses"][0], 5), source=source)
         print(f"{impl:17s} step {r['step_ms']:8.2f} ms  loss {r['losses'][0]:.4f} -> {r['final_loss']:.4f}  "
-              f"chunk_state_grad launches {r['calls_served']}/{r['calls_total']}  FLA KDA kernels {r['fla_kda_kernels']}")
+              f"chunk_state_grad launches {r['calls_served']}/{r['calls_total']}  FLA KDA kernels {r['fla_kda_kernels']}",
+              flush=True)
+    spread = abs(runs["fla"]["final_loss"] - runs["fla_seed1"]["final_loss"])
     diff = abs(runs["flashkda_backend"]["final_loss"] - runs["fla"]["final_loss"])
     print(f"final-loss difference flashkda vs FLA {diff:.4f}; FLA seed spread {spread:.4f}; step-time ratio "
           f"{runs['flashkda_backend']['step_ms'] / runs['fla']['step_ms']:.3f}")
