@@ -427,10 +427,8 @@ def test_chunk_state_grad_matches_reference(case, kept, family):
 
     qp, kp, gp, bp = (x.double().cpu() for x in token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags))
     rows = B * T
-    # a scalar gate stays [rows, HV]: the reference gives it to every key channel
-    flat = [x.reshape(rows, HV, -1) for x in (qp, kp, v.double().cpu(), gp, do.double().cpu())]
-    if gp.dim() == 3:
-        flat[3] = gp.reshape(rows, HV)
+    gate = gp.reshape(rows, HV, -1) if gp.dim() == 4 else gp.reshape(rows, HV)  # a scalar gate stays [rows, HV]
+    flat = [x.reshape(rows, HV, -1) for x in (qp, kp, v.double().cpu())] + [gate, do.double().cpu().reshape(rows, HV, -1)]
     bos_c, len_c, first_c, count_c = (x.cpu() for x in (bos, length, first, count))
     maps, offsets, Y = local_grad_reference(*flat[:4], bp.reshape(rows, HV), flat[4], bos_c, len_c, 0)
     (want_states,) = state_scan_reference(maps, offsets, S0.double().cpu(), first_c, count_c, False)
