@@ -579,7 +579,8 @@ class Boundary(NamedTuple):
     dS0: torch.Tensor
 
 
-def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary: Optional[Boundary] = None):
+def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary: Optional[Boundary] = None,
+                     owned: bool = False):
     """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·], dS0)``, fp32 but dv in v's
     dtype where that is bf16 or fp16 (the kernel rounds it once, as the final cast would), from the
     preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group; a scalar gate's log
@@ -590,8 +591,10 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     (chunk_state_grad on the chunked forward's records, see :func:`_chunked_boundary_states`) when
     given, else they come from the per-chunk kernel's state maps (D, B) and Y = Pᵀ dO and two scans
     over chunks. The per-chunk
-    kernel's gradients pass then writes every token's gradients. Nothing is read back to the host
-    (the chunk layout is built on the device)."""
+    kernel's gradients pass then writes every token's gradients; with ``owned`` (``qp, kp, gp, bp``
+    are the backward's own buffers, read no more after it) over those inputs where it can (the
+    whole pass, every token in a chunk). Nothing is read back to the host (the chunk layout is
+    built on the device)."""
     B, T, HV, K = qp.shape
     V = v.shape[-1]
     rows = B * T
@@ -617,8 +620,10 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
         del Bm  # each map is freed once its scan is done: the gradients pass's outputs take its place
         nexts, dS0 = _ext.chunk_state_scan_op(D, Y, dS.contiguous(), seq_first, seq_chunks, True)
         del D, Y
+    every_token = _chunks_cover_every_token(opts, rows)
+    overwrite = owned and every_token and not _ext.chunk_bwd_in_value_halves(qp.get_device())
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 1, states, nexts,
-                                                  _chunks_cover_every_token(opts, rows))
+                                                  every_token, overwrite)
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(gp.shape),
             db.view(B, T, HV), dS0)
 
@@ -875,7 +880,9 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     if why is None and boundary is None:  # the state maps then come from the transitions pass
         why = _ext.chunk_bwd_shortfall(q.device.index, transitions=True)
     if why is None:
-        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary)
+        # The per-token kernel's outputs are this backward's own: the gradients pass writes over them.
+        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary, owned=tokens)
+        del qp, kp, gp, bp, boundary  # the gradients of the states after chunks go before the per-token pass
     else:
         _ext.log.debug("flashkda: chunked backward on PyTorch (%s%s)", why,
                        "; the states at chunk boundaries from the kernels" if boundary is not None else "")

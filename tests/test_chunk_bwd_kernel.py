@@ -280,6 +280,22 @@ def _kernel_passes_match_reference(decay, scalar_gate):
     want = local_grad_reference(*ref_in, bos_c, len_c, 1, S, dS)
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, want):
         assert rel_err(a, b) <= KERNEL_TOL, f"{name}: {rel_err(a, b):.2e}"
+    # Over its inputs (every token lies in a chunk here): the same gradients, in the storage of q, k, g
+    # and beta (equal up to the order of the shared-memory sums of dg and dbeta); the pass in value
+    # halves adds into zeros and refuses.
+    over_in = [x.clone() for x in (q, k, g, beta)]
+    args = (over_in[0], over_in[1], v, over_in[2], over_in[3], dO, bos, length, 1, S.float().cuda(),
+            dS.bfloat16().cuda(), True, True)
+    if _ext.chunk_bwd_in_value_halves(q.get_device()):
+        with pytest.raises(RuntimeError, match="overwrite_inputs"):
+            _ext.chunk_local_grad_op(*args)
+    else:
+        over = _ext.chunk_local_grad_op(*args)
+        for name, a, b, x in zip(["dq", "dk", "dg", "dbeta"], [over[i] for i in (0, 1, 3, 4)],
+                                 [got[i] for i in (0, 1, 3, 4)], over_in):
+            assert a.data_ptr() == x.data_ptr(), f"{name} not written over its input"
+            assert rel_err(a, b) <= 1e-5, f"{name} over its input: {rel_err(a, b):.2e}"
+        assert torch.equal(over[2], got[2])
     # 16-bit v: dv comes in v's dtype, the fp32 one rounded once (dv = Tᵀ dU does not read v)
     for dtype in (torch.bfloat16, torch.float16):
         got16 = _ext.chunk_local_grad_op(q, k, v.to(dtype), g, beta, dO, bos, length, 1, S.float().cuda(),

@@ -129,7 +129,8 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
                                          const std::optional<at::Tensor>& states,
-                                         const std::optional<at::Tensor>& dstates, bool every_token);
+                                         const std::optional<at::Tensor>& dstates, bool every_token,
+                                         bool overwrite_inputs);
 std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
                                          const at::Tensor& seq_first, const at::Tensor& seq_chunks, bool reverse);
 at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,

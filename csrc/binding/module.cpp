@@ -28,8 +28,9 @@ TORCH_LIBRARY(flashkda, m) {
       "Tensor? chunk_state_slots=None, Tensor? ssm_state_indices=None, Tensor? has_initial_state=None, "
       "Tensor(d!)? records=None) -> ()");
   m.def(
-      "chunk_local_grad(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor dO, Tensor chunk_bos, "
-      "Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None, bool every_token=False) -> Tensor[]");
+      "chunk_local_grad(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor(c!) g, Tensor(d!) beta, Tensor dO, "
+      "Tensor chunk_bos, Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None, "
+      "bool every_token=False, bool overwrite_inputs=False) -> Tensor[]");
   m.def(
       "chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, Tensor seq_first, Tensor seq_chunks, "
       "bool reverse) -> Tensor[]");

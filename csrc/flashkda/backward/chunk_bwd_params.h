@@ -56,7 +56,10 @@ struct ChunkBwdParams {
   const __nv_bfloat16* states;
   const __nv_bfloat16* dstates;
   // kGradients: outputs, token rows as the inputs (rows of other tokens untouched); fp32 but dv, which
-  // nothing downstream transforms: it is written in its final dtype (v's), rounded once.
+  // nothing downstream transforms: it is written in its final dtype (v's), rounded once. dq, dk, dg
+  // and dbeta may be q, k, g and beta themselves: the whole pass's block reads its chunk's rows of
+  // them before it writes its gradients there (the pass in value halves may not: its two blocks
+  // add their shares into zeros).
   float* dq;        // [rows, HV, D]
   float* dk;        // [rows, HV, D]
   void* dv;         // [rows, HV, D] in dv_dtype

@@ -203,9 +203,12 @@ static_assert(kChunk * kHeadDim * 4 <= 2 * ChunkTile::kBytes, "the fp32 dΓ take
 static_assert(SmemLayout::kBytes <= 227 * 1024, "fits an sm_90 block");
 
 // The block's view of its chunk, head and shared memory; Layout gives the offsets of Γ, the pivots,
-// the factors, β, dβ, the chunk-end terms and A.
-template <class Layout>
+// the factors, β, dβ, the chunk-end terms and A. kScalarDecay: Γ is one log decay per token (a scalar
+// gate, the whole pass's gradients: gamma_phase_scalar), [kChunk] fp32 at Γ's offset, which the
+// accessors below return for every channel; no pivots or factors.
+template <class Layout, bool kScalarDecay = false>
 struct BlockT {
+  static constexpr bool kScalar = kScalarDecay;
   const ChunkBwdParams& p;
   uint8_t* smem;
   int64_t chunk, bos;
@@ -258,15 +261,23 @@ struct BlockT {
     else
       *reinterpret_cast<float2*>(static_cast<float*>(x) + i) = make_float2(a, b);
   }
-  __device__ __forceinline__ float2 G2(int t, int c) const { return *reinterpret_cast<const float2*>(gamma() + t * kHeadDim + c); }
-  __device__ __forceinline__ float G(int t, int c) const { return gamma()[t * kHeadDim + c]; }
-  __device__ __forceinline__ float G_end(int c) const { return gamma()[(kChunk - 1) * kHeadDim + c]; }
+  __device__ __forceinline__ float2 G2(int t, int c) const {
+    if constexpr (kScalar) return make_float2(gamma()[t], gamma()[t]);
+    else return *reinterpret_cast<const float2*>(gamma() + t * kHeadDim + c);
+  }
+  __device__ __forceinline__ float G(int t, int c) const { return kScalar ? gamma()[t] : gamma()[t * kHeadDim + c]; }
+  __device__ __forceinline__ float G_end(int c) const { return G(kChunk - 1, c); }
   // γ − h of token t, channels c, c + 1 (c even): the log of its row-side pivot factor.
   __device__ __forceinline__ float2 pivot_log2(int t, int c) const {
     const int a = t / kSubChunk;
     const float2 g = G2(t, c), h = *reinterpret_cast<const float2*>(pivot() + a * kHeadDim + c);
     const float2 before = a > 0 ? G2(a * kSubChunk - 1, c) : make_float2(0.f, 0.f);
     return make_float2(g.x - before.x - h.x, g.y - before.y - h.y);
+  }
+  // e^{Γi−Γj} (j <= i) of a scalar decay, 1 for a block of per-channel decays (the factors carry them).
+  __device__ __forceinline__ float scalar_decay(int i, int j) const {
+    if constexpr (kScalar) return __expf(gamma()[i] - gamma()[j]);
+    else return 1.f;
   }
   // f_ab of channels c, c + 1 (c even); 1 on the diagonal.
   __device__ __forceinline__ float2 pair_factor2(int a, int b, int c) const {
@@ -391,7 +402,8 @@ __device__ __forceinline__ void gram_grad(const Blk& blk, float (&out)[1][ChunkA
 #pragma unroll
     for (int ni = 0; ni < ChunkAcc::NI; ++ni) {
       const int col = n0 + 8 * ni + sm80::FragAcc::n(lane, 0);  // elements e: columns col + e % 2
-      const float2 f = kSideX ? blk.pair_factor2(sub, o, col) : blk.pair_factor2(o, sub, col);
+      const float2 f = Blk::kScalar ? make_float2(1.f, 1.f)  // the decays are in dZ (add_gram_grads)
+                                    : (kSideX ? blk.pair_factor2(sub, o, col) : blk.pair_factor2(o, sub, col));
 #pragma unroll
       for (int e = 0; e < 4; ++e) out[0][ni][e] += part[0][ni][e] * (e % 2 ? f.y : f.x);
     }
@@ -400,6 +412,17 @@ __device__ __forceinline__ void gram_grad(const Blk& blk, float (&out)[1][ChunkA
 
 // The phases both forms of the gradients pass share (the whole pass below, the value halves in
 // chunk_local_grad_split.cuh), on a block view Blk of either layout.
+
+// β of the chunk's tokens, zeros for dβ and the chunk-end terms (gamma_phase, gamma_phase_scalar).
+template <class Blk>
+__device__ __forceinline__ void init_beta_and_sums(const Blk& blk) {
+  const int tid = threadIdx.x;
+  if (tid < kChunk) {
+    blk.beta()[tid] = tid < blk.len ? __ldg(blk.p.beta + blk.head_at(tid)) : 0.f;
+    blk.dbeta()[tid] = 0.f;
+  }
+  if (tid < kHeadDim) blk.end()[tid] = 0.f;
+}
 
 // Γ, the pivots h_a and the factors f_ab, one thread per (sub-chunk a, channel c): the sub-chunk's
 // running sums in registers, its total through `total` ([kSubChunks][kHeadDim] fp32 scratch) to the
@@ -417,11 +440,7 @@ __device__ __forceinline__ void gamma_phase(const Blk& blk, float* total, AfterL
 #pragma unroll
   for (int t = 1; t < kSubChunk; ++t) run[t] += run[t - 1];
   total[own_a * kHeadDim + own_c] = run[kSubChunk - 1];
-  if (tid < kChunk) {
-    blk.beta()[tid] = tid < blk.len ? __ldg(blk.p.beta + blk.head_at(tid)) : 0.f;
-    blk.dbeta()[tid] = 0.f;
-  }
-  if (tid < kHeadDim) blk.end()[tid] = 0.f;
+  init_beta_and_sums(blk);
   before_barrier();
   __syncthreads();
   float before[kSubChunks], h[kSubChunks];  // Γ before each sub-chunk, half its total
@@ -443,8 +462,31 @@ __device__ __forceinline__ void gamma_phase(const Blk& blk, float* total, AfterL
   }
 }
 
+// gamma_phase for a block of scalar decay (Blk::kScalar): Γ of the chunk's kChunk tokens, one per
+// thread of the first two warps, by a scan over each warp's lanes and the first warp's total through
+// `total`; β and the zeros as gamma_phase.
+template <class Blk, class AfterLoads, class BeforeBarrier>
+__device__ __forceinline__ void gamma_phase_scalar(const Blk& blk, float* total, AfterLoads&& after_loads,
+                                                   BeforeBarrier&& before_barrier) {
+  static_assert(Blk::kScalar && kChunk == 64, "two warps of tokens");
+  const int tid = threadIdx.x, lane = tid & 31;
+  float x = tid < kChunk ? blk.template load_gate<true>(tid, 0) : 0.f;
+  after_loads();
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (tid == 31) total[0] = x;
+  init_beta_and_sums(blk);
+  before_barrier();
+  __syncthreads();
+  if (tid < kChunk) blk.gamma()[tid] = tid < 32 ? x : x + total[0];
+}
+
 // M (j <= i, bf16 into Mt, whose blocks above the diagonal the caller zeroed) and A (j < i, fp32
-// into blk.A()), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks.
+// into blk.A()), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks. A scalar decay
+// (Blk::kScalar): the operands are undecayed and each element takes e^{Γi−Γj} itself.
 template <class Blk>
 __device__ __forceinline__ void gram_products(const Blk& blk, const SquareTile& Mt, const ChunkTile& Xq,
                                               const ChunkTile& Xk, const ChunkTile& Yk) {
@@ -457,14 +499,15 @@ __device__ __forceinline__ void gram_products(const Blk& blk, const SquareTile& 
     const int b = rest;
     float acc[1][2][4] = {};
     warp_mma<false, false>(acc, is_A ? Xk : Xq, Yk, kSubChunk * a, kSubChunk * b, 0, kHeadDim, false,
-                           a == b ? nullptr : blk.factor(a, b));
+                           Blk::kScalar || a == b ? nullptr : blk.factor(a, b));
 #pragma unroll
     for (int ni = 0; ni < 2; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = kSubChunk * a + sm80::FragAcc::m(lane, e), j = kSubChunk * b + 8 * ni + sm80::FragAcc::n(lane, e);
         const bool keep = is_A ? j < i : j <= i;
-        const float x = keep ? acc[0][ni][e] : 0.f;
+        float x = keep ? acc[0][ni][e] : 0.f;
+        if constexpr (Blk::kScalar) x = keep ? x * blk.scalar_decay(i, j) : 0.f;
         if (is_A)
           blk.A(i, j) = x;
         else
@@ -611,6 +654,13 @@ __device__ __forceinline__ void mask_and_add_dbeta_of_A(const Blk& blk, SquareAc
     }
 }
 
+// γ − h of token t, channels c, c + 1 (Blk::pivot_log2); zeros for a scalar decay (no pivots).
+template <class Blk>
+__device__ __forceinline__ float2 pivot_log2(const Blk& blk, int t, int c) {
+  if constexpr (Blk::kScalar) return make_float2(0.f, 0.f);
+  else return blk.pivot_log2(t, c);
+}
+
 // The Gram matrices' gradients: M (x = q̂, y = k̂, dM) and A (x = y = k̂, dZA), each side apart:
 // the x-side's dx = e^{γ−h} acc, the y-side's dy = e^{h−γ} acc. The decay's share x dx − y dy
 // is taken as X acc − Y acc with the bf16 operands X = x e^{γ−h}, Y = y e^{h−γ} of the products
@@ -626,11 +676,11 @@ __device__ __forceinline__ void add_gram_grads(const Blk& blk, ChunkAcc& dq, Chu
     gram_grad<true>(blk, xM, dM, Xq, Yk);
     gram_grad<true>(blk, xA, dZA, Xk, Yk);
     ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
-      const float2 pl = blk.pivot_log2(t, c), xq = Xq.get2(t, c), xk = Xk.get2(t, c);
+      const float2 pl = pivot_log2(blk, t, c), xq = Xq.get2(t, c), xk = Xk.get2(t, c);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int e = 2 * h + j;
-        const float up = __expf(j ? pl.y : pl.x);
+        const float up = Blk::kScalar ? 1.f : __expf(j ? pl.y : pl.x);
         dq.c[0][ni][e] += xM[0][ni][e] * up;
         dk.c[0][ni][e] += xA[0][ni][e] * up;
         dG.c[0][ni][e] += (j ? xq.y : xq.x) * xM[0][ni][e] + (j ? xk.y : xk.x) * xA[0][ni][e];
@@ -642,11 +692,11 @@ __device__ __forceinline__ void add_gram_grads(const Blk& blk, ChunkAcc& dq, Chu
     gram_grad<false>(blk, y, dM, Xq, Yk);
     gram_grad<false>(blk, y, dZA, Xk, Yk);
     ChunkAcc::for_each_pair([&](int, int ni, int h, int t, int c) {
-      const float2 pl = blk.pivot_log2(t, c), yk = Yk.get2(t, c);
+      const float2 pl = pivot_log2(blk, t, c), yk = Yk.get2(t, c);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int e = 2 * h + j;
-        dk.c[0][ni][e] += y[0][ni][e] * __expf(-(j ? pl.y : pl.x));
+        dk.c[0][ni][e] += Blk::kScalar ? y[0][ni][e] : y[0][ni][e] * __expf(-(j ? pl.y : pl.x));
         dG.c[0][ni][e] -= (j ? yk.y : yk.x) * y[0][ni][e];
       }
     });
@@ -700,20 +750,23 @@ __device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, fl
   if (tid < kChunk && tid < blk.len) put(blk.p.dbeta + blk.head_at(tid), blk.dbeta()[tid]);
 }
 
-// kScalarGate: g and dg hold one log decay per (token, head) for every key channel (GDN).
+// kScalarGate: g and dg hold one log decay per (token, head) for every key channel (GDN). The
+// gradients pass then keeps Γ per token (BlockT's kScalarDecay): the Gram operands undecayed, and
+// e^{Γi−Γj} on each element of M, A and their gradients instead of pivots and factors per channel.
 template <Pass kPass, bool kScalarGate>
 __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const ChunkBwdParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
+  constexpr bool kScalar = kScalarGate && kPass == Pass::kGradients;
   const int tid = threadIdx.x;
-  Block blk{p, smem, int64_t(blockIdx.x), 0, 0, int(blockIdx.y), 0, p.HV * kHeadDim};
+  BlockT<SmemLayout, kScalar> blk{p, smem, int64_t(blockIdx.x), 0, 0, int(blockIdx.y), 0, p.HV * kHeadDim};
   blk.bos = p.chunk_bos[blk.chunk];
   blk.len = p.chunk_len[blk.chunk];
   blk.head0 = (blk.bos * p.HV + blk.hv) * kHeadDim;
   if (kPass == Pass::kGradients && blk.len <= 0) return;  // an empty chunk has no gradients
   float* A = blk.A();
-  const SquareTile Mt = blk.tile<SquareTile>(SmemLayout::kM);
-  const SquareTile Tt = blk.tile<SquareTile>(SmemLayout::kT);
-  const SquareTile Lt = blk.tile<SquareTile>(SmemLayout::kL);
+  const SquareTile Mt = blk.template tile<SquareTile>(SmemLayout::kM);
+  const SquareTile Tt = blk.template tile<SquareTile>(SmemLayout::kT);
+  const SquareTile Lt = blk.template tile<SquareTile>(SmemLayout::kL);
   // q̂ and k̂, fp32, into the free slots 3-6, in flight while Γ is summed.
   auto stage_qk = [&] {
     blk.copy_rows_async(smem + SmemLayout::slot(3), kHeadDim * 4, p.q);
@@ -723,15 +776,19 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
 
   // Γ, the pivots and the factors (the sub-chunk totals over A, until the M / A products), with q̂
   // and k̂ staged meanwhile; zeros for M (its blocks above the diagonal are read).
-  gamma_phase<kScalarGate>(blk, A, stage_qk, [&] {
+  const auto zero_M = [&] {
     for (int i = tid; i < SquareTile::kBytes / 16; i += kThreads) reinterpret_cast<uint4*>(Mt.p)[i] = make_uint4(0, 0, 0, 0);
-  });
+  };
+  if constexpr (kScalar)
+    gamma_phase_scalar(blk, A, stage_qk, zero_M);
+  else
+    gamma_phase<kScalarGate>(blk, A, stage_qk, zero_M);
   cute::cp_async_wait<0>();  // stage_qk: this barrier completes it too
   __syncthreads();
 
   // Gram operands: q̂ e^{γ−h}, k̂ e^{γ−h} (rows), k̂ e^{h−γ} (columns), from q̂ and k̂ staged in
-  // shared memory (fp32, dense rows: stage_qk).
-  const ChunkTile Xq = blk.slot(0), Xk = blk.slot(1), Yk = blk.slot(2);
+  // shared memory (fp32, dense rows: stage_qk); a scalar decay's are q̂ and k̂ (Yk is Xk).
+  const ChunkTile Xq = blk.slot(0), Xk = blk.slot(1), Yk = blk.slot(kScalar ? 1 : 2);
   const float* q_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(3));  // slots 3-4
   const float* k_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(5));  // slots 5-6
   auto build_gram_operands = [&] {
@@ -741,7 +798,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       const int t = i / kPerRow, c = (i % kPerRow) * 4;
       const float4 q4 = *reinterpret_cast<const float4*>(q_staged + t * kHeadDim + c);
       const float4 k4 = *reinterpret_cast<const float4*>(k_staged + t * kHeadDim + c);
-      const float2 pl01 = blk.pivot_log2(t, c), pl23 = blk.pivot_log2(t, c + 2);
+      if constexpr (kScalar) {
+        Xq.store2(t, c, q4.x, q4.y);
+        Xq.store2(t, c + 2, q4.z, q4.w);
+        Xk.store2(t, c, k4.x, k4.y);
+        Xk.store2(t, c + 2, k4.z, k4.w);
+        continue;
+      }
+      const float2 pl01 = pivot_log2(blk, t, c), pl23 = pivot_log2(blk, t, c + 2);
       const float pl[4] = {pl01.x, pl01.y, pl23.x, pl23.y};
       const float qx[4] = {q4.x, q4.y, q4.z, q4.w}, kx[4] = {k4.x, k4.y, k4.z, k4.w};
       float up[4], down[4];
@@ -773,7 +837,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   cute::cp_async_wait<0>();
   __syncthreads();
   if constexpr (kPass == Pass::kGradients) {  // S and dO (over the staged k̂), in flight during T v and T kg
-    blk.copy_state_async(blk.tile<StateTile>(SmemLayout::slot(4)), p.states);
+    blk.copy_state_async(blk.template tile<StateTile>(SmemLayout::slot(4)), p.states);
     blk.copy_rows_async(blk.slot(6), p.dO);
   }
   ChunkAcc u;  // T v, then U = T v − w S
@@ -827,7 +891,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     }
     return;
   } else {
-    const StateTile St = blk.tile<StateTile>(SmemLayout::slot(4));
+    const StateTile St = blk.template tile<StateTile>(SmemLayout::slot(4));
     const ChunkTile Ut = blk.slot(3), dOt = blk.slot(6), dUt = blk.slot(7), kd = blk.slot(2);
     ChunkAcc dq, dk, dG;  // gradients of q̂, k̂ and Γ, accumulated in this layout
     dq.zero();
@@ -869,7 +933,11 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     }
     __syncthreads();
     blk.copy_state_async(St, p.states);
-    dM.store(Mt, [](int i, int j, float x) { return j <= i ? x : 0.f; });  // dM over M
+    // dM over M (a scalar decay: dM ⊙ e^{Γi−Γj}, what the Gram gradients read)
+    if constexpr (kScalar)
+      dM.store(Mt, [&](int i, int j, float x) { return j <= i ? x * blk.scalar_decay(i, j) : 0.f; });
+    else
+      dM.store(Mt, [](int i, int j, float x) { return j <= i ? x : 0.f; });
     cute::cp_async_wait<0>();
     __syncthreads();
     const ChunkTile dwt = blk.slot(3);  // over U
@@ -886,9 +954,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       });
     }
     __syncthreads();
-    const SquareTile X1 = blk.tile<SquareTile>(SmemLayout::slot(4));  // over S
-    const SquareTile Y1 = blk.tile<SquareTile>(SmemLayout::slot(5));
-    const SquareTile dZA = blk.tile<SquareTile>(SmemLayout::slot(7));  // over dU
+    const SquareTile X1 = blk.template tile<SquareTile>(SmemLayout::slot(4));  // over S
+    const SquareTile Y1 = blk.template tile<SquareTile>(SmemLayout::slot(5));
+    const SquareTile dZA = blk.template tile<SquareTile>(SmemLayout::slot(7));  // over dU
     {
       SquareAcc dT;  // dU vᵀ + dw kgᵀ; T = L diag(β): dβ_j += Σ_i dT_ij L_ij, and dL = dT diag(β)
       dT.zero();
@@ -915,7 +983,10 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       Gd.zero();
       Gd.mma<false, false>(Y1, Lt, 0, kChunk, true);
       mask_and_add_dbeta_of_A(blk, Gd, [&](int, int, int, int i, int j) { return blk.A(i, j); });  // A: j < i
-      Gd.store(dZA, [&](int i, int, float x) { return x * blk.beta()[i]; });
+      if constexpr (kScalar)  // Gd is zero for j >= i, where e^{Γi−Γj} may overflow
+        Gd.store(dZA, [&](int i, int j, float x) { return j < i ? x * blk.beta()[i] * blk.scalar_decay(i, j) : 0.f; });
+      else
+        Gd.store(dZA, [&](int i, int, float x) { return x * blk.beta()[i]; });
     }
     __syncthreads();
     stage_qk();  // over dw, X1, Y1 and dO
