@@ -24,9 +24,17 @@ def _chunk_index(bos: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Te
     return torch.where(pos[None] < length[:, None].long(), bos[:, None] + pos[None], rows)
 
 
-def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None, every_token=False):
+def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None, every_token=False,
+                         overwrite_inputs=False):
     """What ``torch.ops.flashkda.chunk_local_grad`` computes, from flashkda.autograd's chunk math (a
-    scalar gate ``[rows, HV]`` for every key channel, its gradient summed over them)."""
+    scalar gate ``[rows, HV]`` for every key channel, its gradient summed over them); with
+    ``overwrite_inputs``, dq, dk, dg and dbeta written into q, k, g and beta, as the op does."""
+    if overwrite_inputs:
+        assert pass_ == 1 and every_token, "the op refuses overwrite_inputs here"
+        out = local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states, dstates, every_token)
+        for x, d in zip((q, k, g, beta), [out[i] for i in (0, 1, 3, 4)]):
+            x.copy_(d)
+        return [q, k, out[2], g, beta]
     rows, HV, K = q.shape
     v, dO = v.to(q.dtype), dO.to(q.dtype)  # the op takes them in any float dtype
     scalar_gate = g.dim() == 2
@@ -169,6 +177,7 @@ def test_kernel_backward_equals_torch_backward(monkeypatch, case, tokens, bounda
     from test_autograd import _through_chunk_function, _upstream
 
     monkeypatch.setattr(_ext, "chunk_local_grad_op", local_grad_reference, raising=False)
+    monkeypatch.setattr(_ext, "chunk_bwd_in_value_halves", lambda index: False, raising=False)
     monkeypatch.setattr(_ext, "chunk_state_scan_op", state_scan_reference, raising=False)
     monkeypatch.setattr(_ext, "chunk_bwd_inputs_op", token_inputs_reference, raising=False)
     monkeypatch.setattr(_ext, "chunk_bwd_input_grads_op", token_grads_reference, raising=False)
