@@ -580,7 +580,7 @@ class Boundary(NamedTuple):
 
 
 def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary: Optional[Boundary] = None,
-                     owned: bool = False):
+                     owned: bool = False, raw_qk: Optional[tuple] = None):
     """The backward on the CUDA kernels: ``(dq̂, dk̂, dv, dg, dβ [B, T, HV, ·], dS0)``, fp32 but dv in v's
     dtype where that is bf16 or fp16 (the kernel rounds it once, as the final cast would), from the
     preprocessed fp32 inputs ``[B, T, HV, ·]`` (q̂, k̂ repeated over each group; a scalar gate's log
@@ -593,8 +593,10 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     over chunks. The per-chunk
     kernel's gradients pass then writes every token's gradients; with ``owned`` (``qp, kp, gp, bp``
     are the backward's own buffers, read no more after it) over those inputs where it can (the
-    whole pass, every token in a chunk). Nothing is read back to the host (the chunk layout is
-    built on the device)."""
+    whole pass, every token in a chunk). ``raw_qk`` ``(dtype, rnorm)`` (the whole pass, one value
+    head per key head): dq and dk come back as the raw q's and k's gradients in ``dtype``, through the
+    scale and the l2 norm (``rnorm`` ``[B, T, HV, 2]``: chunk_bwd_inputs' 1 / norms of the rows).
+    Nothing is read back to the host (the chunk layout is built on the device)."""
     B, T, HV, K = qp.shape
     V = v.shape[-1]
     rows = B * T
@@ -610,8 +612,9 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     dO = v16.new_zeros(rows, HV, V) if do is None else do.reshape(rows, HV, V).contiguous()
     bos, length, seq_first, seq_chunks, N, C = _kernel_chunks(B, T, opts.cu_seqlens, qp.device)
     if C == 0 or rows == 0:  # no token: the initial state's gradient is the final state's
-        return (*(q32.new_zeros(B, T, HV, d) for d in (K, K, V)), torch.zeros_like(gp, dtype=f32),
-                b32.new_zeros(B, T, HV), dS.clone())
+        qk_type = f32 if raw_qk is None else raw_qk[0]
+        return (*(q32.new_zeros(B, T, HV, K, dtype=qk_type) for _ in range(2)), q32.new_zeros(B, T, HV, V),
+                torch.zeros_like(gp, dtype=f32), b32.new_zeros(B, T, HV), dS.clone())
     if boundary is not None:
         states, nexts, dS0 = boundary
     else:
@@ -622,8 +625,11 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
         del D, Y
     every_token = _chunks_cover_every_token(opts, rows)
     overwrite = owned and every_token and not _ext.chunk_bwd_in_value_halves(qp.get_device())
+    raw_args = () if raw_qk is None else (
+        None if raw_qk[1] is None else raw_qk[1].reshape(rows, HV, 2), opts.scale, opts.use_qk_l2norm_in_kernel,
+        raw_qk[0])
     dq, dk, dv, dg, db = _ext.chunk_local_grad_op(q32, k32, v16, g32, b32, dO, bos, length, 1, states, nexts,
-                                                  every_token, overwrite)
+                                                  every_token, overwrite, *raw_args)
     return (dq.view(B, T, HV, K), dk.view(B, T, HV, K), dv.view(B, T, HV, V), dg.view(gp.shape),
             db.view(B, T, HV), dS0)
 
@@ -854,10 +860,10 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
                                                        records)
         if boundary_states is not None:
-            boundary, (qp, kp, gp, bp) = _beside(q.device, lambda: boundary_states(entries),
-                                                 lambda: _ext.chunk_bwd_inputs_op(*raw, *flags))
+            boundary, (qp, kp, gp, bp, rnorm) = _beside(q.device, lambda: boundary_states(entries),
+                                                        lambda: _ext.chunk_bwd_inputs_op(*raw, *flags))
         else:
-            qp, kp, gp, bp = _ext.chunk_bwd_inputs_op(*raw, *flags)
+            qp, kp, gp, bp, rnorm = _ext.chunk_bwd_inputs_op(*raw, *flags)
     else:
         qp, kp, gp, bp = preprocess(
             q, k, g, beta, scale=opts.scale, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
@@ -879,17 +885,26 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         boundary = None if boundary_states is None else boundary_states(entries)
     if why is None and boundary is None:  # the state maps then come from the transitions pass
         why = _ext.chunk_bwd_shortfall(q.device.index, transitions=True)
+    # With one value head per key head and the whole gradients pass, that pass writes the raw q's and
+    # k's gradients itself (through the scale and the l2 norm): no per-token pass for them after it.
+    raw_qk = None
+    if why is None and tokens and group == 1 and not _ext.chunk_bwd_in_value_halves(q.device.index):
+        raw_qk = (q.dtype, rnorm if opts.use_qk_l2norm_in_kernel else None)
     if why is None:
         # The per-token kernel's outputs are this backward's own: the gradients pass writes over them.
-        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary, owned=tokens)
+        dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary, owned=tokens,
+                                                     raw_qk=raw_qk)
         del qp, kp, gp, bp, boundary  # the gradients of the states after chunks go before the per-token pass
     else:
         _ext.log.debug("flashkda: chunked backward on PyTorch (%s%s)", why,
                        "; the states at chunk boundaries from the kernels" if boundary is not None else "")
         dq, dk, dv, dgp, dbp, dS0 = _torch_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary)
     if tokens:
-        dq, dk, dg, dbeta, dA_part, ddt_part = _ext.chunk_bwd_input_grads_op(
-            *raw, dq.contiguous(), dk.contiguous(), dgp.contiguous(), dbp.contiguous(), *flags)
+        dq_hat, dk_hat = (None, None) if raw_qk is not None else (dq.contiguous(), dk.contiguous())
+        dq_in, dk_in, dg, dbeta, dA_part, ddt_part = _ext.chunk_bwd_input_grads_op(
+            *raw, dq_hat, dk_hat, dgp.contiguous(), dbp.contiguous(), *flags)
+        if raw_qk is None:
+            dq, dk = dq_in, dk_in
         dA_log = None if gate_A is None else dA_part.sum(0).reshape(gate_A.shape)
         ddt_bias = None if gate_dt is None else ddt_part.sum(0).reshape(gate_dt.shape)
     else:

@@ -25,10 +25,26 @@ def _chunk_index(bos: torch.Tensor, length: torch.Tensor, rows: int) -> torch.Te
 
 
 def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, dstates=None, every_token=False,
-                         overwrite_inputs=False):
+                         overwrite_inputs=False, qk_rnorm=None, scale=1.0, l2norm=False, qk_dtype=None):
     """What ``torch.ops.flashkda.chunk_local_grad`` computes, from flashkda.autograd's chunk math (a
     scalar gate ``[rows, HV]`` for every key channel, its gradient summed over them); with
-    ``overwrite_inputs``, dq, dk, dg and dbeta written into q, k, g and beta, as the op does."""
+    ``overwrite_inputs``, dq, dk (unless ``qk_dtype``), dg and dbeta written into q, k, g and beta, as
+    the op does; with ``qk_dtype``, dq and dk those of the raw q and k (through ``scale`` and, with
+    ``l2norm``, the l2 norm of the rows whose 1 / norms are ``qk_rnorm``) in that dtype."""
+    if qk_dtype is not None:
+        out = local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states, dstates, every_token)
+        raw = []
+        for i, (x, dx) in enumerate(zip((q, k), out[:2])):
+            dy = dx * (1.0 if i else scale)
+            if l2norm:
+                y = x / (1.0 if i else scale)
+                dy = qk_rnorm[..., i:i + 1] * (dy - y * (y * dy).sum(-1, keepdim=True))
+            raw.append(dy.to(qk_dtype))
+        if overwrite_inputs:
+            for x, d in zip((g, beta), out[3:]):
+                x.copy_(d)
+            out[3:] = [g, beta]
+        return raw + out[2:]
     if overwrite_inputs:
         assert pass_ == 1 and every_token, "the op refuses overwrite_inputs here"
         out = local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states, dstates, every_token)
@@ -97,14 +113,20 @@ def token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags):
                                 lower_bound=o.lower_bound, use_beta_sigmoid_in_kernel=o.use_beta_sigmoid_in_kernel,
                                 allow_neg_eigval=o.allow_neg_eigval, dtype=torch.float32)
     group = v.shape[2] // q.shape[2]  # a scalar gate's ĝ: [B, T, HV]
-    return [qp.repeat_interleave(group, 2), kp.repeat_interleave(group, 2), gp.contiguous(), bp]
+    rnorm = torch.stack([torch.rsqrt((x.float() ** 2).sum(-1) + C.L2NORM_EPS) for x in (q, k)], -1)
+    return [qp.repeat_interleave(group, 2), kp.repeat_interleave(group, 2), gp.contiguous(), bp,
+            rnorm.repeat_interleave(group, 2)]
 
 
 def token_grads_reference(q, k, v, g, beta, A_log, dt_bias, dq, dk, dg, dbeta, *flags):
     """What ``torch.ops.flashkda.chunk_bwd_input_grads`` computes: the gradients in the inputs'
-    dtypes, the gate parameters' sums as one tile each."""
+    dtypes, the gate parameters' sums as one tile each; without dq and dk, empty ones for them."""
     o = _ref_options(*flags)
     B, T, H, K = q.shape
+    if dq is None:
+        zeros = dg.new_zeros(B, T, v.shape[2], K, dtype=torch.float32)
+        out = token_grads_reference(q, k, v, g, beta, A_log, dt_bias, zeros, zeros, dg, dbeta, *flags)
+        return [q.new_empty(0), k.new_empty(0)] + out[2:]
     dq, dk = (x.view(B, T, H, v.shape[2] // H, K).sum(3) for x in (dq, dk))
     A_log, dt_bias = (A_log, dt_bias) if o.use_gate_in_kernel else (None, None)
     dq, dk, dg, dbeta, dA, ddt = ag._preprocess_grads(o, q, k, g, beta, A_log, dt_bias, dq, dk, dg, dbeta)
@@ -148,7 +170,7 @@ def boundary_states_reference(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0
     dense chunk states)."""
 
     def boundary_states(entries):
-        qp, kp, gp, bp = token_inputs_reference(q, k, v, g, beta, gate_A, gate_dt, *flags)
+        qp, kp, gp, bp, _ = token_inputs_reference(q, k, v, g, beta, gate_A, gate_dt, *flags)
         B, T, HV, K = qp.shape
         rows = B * T
         f32 = torch.float32
@@ -305,6 +327,24 @@ def _kernel_passes_match_reference(decay, scalar_gate):
             assert a.data_ptr() == x.data_ptr(), f"{name} not written over its input"
             assert rel_err(a, b) <= 1e-5, f"{name} over its input: {rel_err(a, b):.2e}"
         assert torch.equal(over[2], got[2])
+    # The raw q's and k's gradients (qk_dtype): through the scale and, with the l2 norm, the rows'
+    # 1 / norms; the other gradients as before (and over g and beta only with overwrite_inputs).
+    rnorm = 0.5 + torch.rand(q.shape[0], 3, 2, generator=gen, dtype=torch.float64)
+    for l2norm, dtype in [(True, torch.bfloat16), (False, torch.float16), (True, torch.float32)]:
+        args = (q, k, v, g, beta, dO, bos, length, 1, S.float().cuda(), dS.bfloat16().cuda(), True, False,
+                rnorm.float().cuda(), K ** -0.5, l2norm, dtype)
+        if _ext.chunk_bwd_in_value_halves(q.get_device()):
+            with pytest.raises(RuntimeError, match="qk_dtype"):
+                _ext.chunk_local_grad_op(*args)
+            break
+        raw = _ext.chunk_local_grad_op(*args)
+        want_raw = local_grad_reference(*ref_in, bos_c, len_c, 1, S, dS, True, False, rnorm, K ** -0.5, l2norm,
+                                        torch.float64)
+        for name, a, b in zip(["dq", "dk"], raw[:2], want_raw[:2]):
+            assert a.dtype == dtype, name
+            assert rel_err(a, b) <= KERNEL_TOL, f"raw {name} ({dtype}, l2norm {l2norm}): {rel_err(a, b):.2e}"
+        for name, a, b in zip(["dv", "dg", "dbeta"], raw[2:], got[2:]):
+            assert rel_err(a, b) <= 1e-5, f"{name} beside the raw gradients: {rel_err(a, b):.2e}"
     # 16-bit v: dv comes in v's dtype, the fp32 one rounded once (dv = Tᵀ dU does not read v)
     for dtype in (torch.bfloat16, torch.float16):
         got16 = _ext.chunk_local_grad_op(q, k, v.to(dtype), g, beta, dO, bos, length, 1, S.float().cuda(),
@@ -384,7 +424,9 @@ def test_token_passes_match_reference(case):
     want = token_inputs_reference(*raw, *flags)
     _ext.chunk_bwd_inputs_op(*(x if x is None else -x for x in raw[:5]), A_log, dt_bias, *flags)  # leaves stale
     got = _ext.chunk_bwd_inputs_op(*raw, *flags)  # memory for a missed write to show
-    for name, a, b in zip(["q_hat", "k_hat", "g_hat", "beta_hat"], got, want):
+    names = ["q_hat", "k_hat", "g_hat", "beta_hat"] + (["rnorm"] if l2norm else [])  # (r: only with the l2 norm)
+    assert len(got) == 5
+    for name, a, b in zip(names, got, want):
         assert a.shape == b.shape and a.dtype == torch.float32, name
         assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
     dhat = [rnd(B, T, HV, K), rnd(B, T, HV, K), rnd(B, T, HV) if scalar else rnd(B, T, HV, K), rnd(B, T, HV)]
@@ -396,6 +438,11 @@ def test_token_passes_match_reference(case):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {list(a.shape)}"
         tol = 1e-5 if a.dtype == torch.float32 else 4e-3  # 16-bit outputs: their rounding (2^-8)
         assert rel_err(a, b) <= tol, f"{name}: {rel_err(a, b):.2e}"
+    # Without dq̂ and dk̂ (the gradients pass wrote dq and dk): the rest alone, dq and dk empty.
+    rest = _ext.chunk_bwd_input_grads_op(*raw, None, None, *dhat[2:], *flags)
+    assert rest[0].numel() == 0 and rest[1].numel() == 0
+    for name, a, b in zip(["dg", "dbeta", "dA_log", "ddt_bias"], rest[2:], got[2:]):
+        assert torch.equal(a, b), name
 
 
 # chunk_state_grad's cases: make_inputs arguments.

@@ -18,8 +18,8 @@ for round in 1 2; do
     for hv in 32 96; do echo "$name $(/tmp/lg_ab_$name 8192 $hv)"; done
   done
 done
-[[ -x /tmp/lg_ab_base ]] && /tmp/lg_ab_base 8192 32 /tmp/lg_ab_base.bin >/dev/null
+[[ -x /tmp/lg_ab_base ]] && /tmp/lg_ab_base 8192 32 channel /tmp/lg_ab_base.bin >/dev/null
 for name in "${names[@]:1}"; do
-  [[ -x /tmp/lg_ab_$name ]] && /tmp/lg_ab_$name 8192 32 "/tmp/lg_ab_$name.bin" >/dev/null \
+  [[ -x /tmp/lg_ab_$name ]] && /tmp/lg_ab_$name 8192 32 channel "/tmp/lg_ab_$name.bin" >/dev/null \
     && echo "$name vs base: $(python3 bench/harness/compare_outputs.py /tmp/lg_ab_base.bin "/tmp/lg_ab_$name.bin" 8192 32)"
 done

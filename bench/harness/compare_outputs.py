@@ -1,4 +1,4 @@
-"""Relative L2 difference of each gradient between two dumps of local_grad_harness.cu (argv[3]):
+"""Relative L2 difference of each gradient between two dumps of local_grad_harness.cu (argv[4]) with the per-channel gate:
 dq, dk, dv, dg [T, HV, 128] and dβ [T, HV], fp32, in that order. A variant that only reorders work
 or changes roundings shows differences of the order of bf16's (1e-3 or less); NaN or a large
 difference is a broken variant.

@@ -2,15 +2,18 @@
 // HV heads (argv), the preprocessed fp32 inputs the pass reads (q̂, k̂ of about unit norm, log decays
 // in [-0.2, 0], β in [0, 1]), bf16 v, dO and chunk-boundary states. With PHASE_CLOCKS,
 // chunk_local_grad.cuh is the copy patched by phase_clocks.py (target local_grad) and thread 0 of
-// every block adds the clock cycles of each phase to g_phase_cycles. argv[3], a path: dq, dk, dv,
-// dg and dβ (fp32, in that order) are written there after the timing, for compare_outputs.py.
+// every block adds the clock cycles of each phase to g_phase_cycles. argv[3]: the gate, `channel`
+// (KDA's log decay per key channel, the default) or `scalar` (GDN's one per token and head).
+// argv[4], a path: dq, dk, dv, dg and dβ (fp32, in that order) are written there after the timing,
+// for compare_outputs.py.
 //   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-//        local_grad_harness.cu -o local_grad_harness && ./local_grad_harness 8192 32
+//        local_grad_harness.cu -o local_grad_harness && ./local_grad_harness 8192 32 scalar
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #ifdef PHASE_CLOCKS
@@ -27,6 +30,7 @@ __global__ void to_range(const __nv_bfloat16* n, float* x, size_t count, float l
 
 int main(int argc, char** argv) {
   const int T = argc > 1 ? std::atoi(argv[1]) : 8192, HV = argc > 2 ? std::atoi(argv[2]) : 32;
+  const bool scalar_gate = argc > 3 && std::strcmp(argv[3], "scalar") == 0;
   constexpr int D = flashkda::chunk::kHeadDim, C = flashkda::chunk::kChunk;
   const int chunks = (T + C - 1) / C;
   const size_t n_tok = size_t(T) * HV * D, n_state = size_t(chunks) * HV * D * D;
@@ -66,19 +70,24 @@ int main(int argc, char** argv) {
   p.states = states, p.dstates = dstates;
   p.dq = dq, p.dk = dk, p.dv = dv, p.dg = dg, p.dbeta = dbeta;
   cudaError_t launch_err = cudaSuccess;
-  const float med = median_ms([&] { launch_err = flashkda::run_chunk_local_grad<flashkda::chunk_bwd::Pass::kGradients>(p, 0); }, 10);
+  using flashkda::chunk_bwd::Pass;
+  const float med = median_ms([&] {
+    launch_err = scalar_gate ? flashkda::run_chunk_local_grad<Pass::kGradients, true>(p, 0)
+                             : flashkda::run_chunk_local_grad<Pass::kGradients, false>(p, 0);
+  }, 10);
   CHECK(launch_err);
   CHECK(cudaDeviceSynchronize());
-  std::printf("chunk_local_grad gradients T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", T, HV, med,
+  std::printf("chunk_local_grad gradients, %s gate, T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", scalar_gate ? "scalar" : "channel", T, HV, med,
               1e3 * med / ((double(chunks) * HV + 131) / 132));
-  if (argc > 3) {
-    FILE* f = std::fopen(argv[3], "wb");
+  if (argc > 4) {
+    FILE* f = std::fopen(argv[4], "wb");
     bool ok = true;
-    for (const auto& [x, n] : {std::pair{dq, n_tok}, {dk, n_tok}, {dv, n_tok}, {dg, n_tok}, {dbeta, size_t(T) * HV}})
+    const size_t n_gate = scalar_gate ? size_t(T) * HV : n_tok;
+    for (const auto& [x, n] : {std::pair{dq, n_tok}, {dk, n_tok}, {dv, n_tok}, {dg, n_gate}, {dbeta, size_t(T) * HV}})
       ok = ok && append_device_bytes(f, x, n * 4);
     if (f != nullptr) std::fclose(f);
     if (!ok) {
-      std::fprintf(stderr, "cannot write %s\n", argv[3]);
+      std::fprintf(stderr, "cannot write %s\n", argv[4]);
       return 1;
     }
   }

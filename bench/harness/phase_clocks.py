@@ -22,13 +22,13 @@ TARGETS = {
                 ["  // ---- Phase", "  // This slice's offsets", "  // Per channel, once",
                  "  const int wide_mask = s.wide_mask;", "  // Stage", "  // Off-diagonal blocks", "  // T = L diag"]),
     # warp 0: Γ's channels 0-31, a diagonal block of the solve, then rows 0-15 of every product
-    "local_grad": ("flashkda/backward/chunk_local_grad.cuh", "  const SquareTile Lt = blk.tile<SquareTile>(SmemLayout::kL);\n",
+    "local_grad": ("flashkda/backward/chunk_local_grad.cuh", "  const SquareTile Lt = blk.template tile<SquareTile>(SmemLayout::kL);\n",
                    "chunk_local_grad_kernel(const ChunkBwdParams p)", "}  // namespace chunk_bwd",
-                   ["  build_gram_operands();\n  __syncthreads();\n  // M", "  // M (j <= i)",
-                    "  // L = (I + Ab)", "  // k̂ e^Γ from", "    cute::cp_async_wait<0>();  // S and dO",
+                   ["  build_gram_operands();\n  __syncthreads();\n  gram_products", "  gram_products(blk",
+                    "  // L and T (the solve", "  // k̂ e^Γ from", "    cute::cp_async_wait<0>();  // S and dO",
                     "    // dS' (the next", "    SquareAcc dM;", "    blk.copy_state_async(St", "    const ChunkTile dwt",
-                    "    const SquareTile X1", "      SquareAcc y;", "      // G = −strict_tril", "    stage_qk();  // over",
-                    "    {  // x-sides", "    {  // the y-sides", "    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {\n      blk.store2(p.dq",
+                    "    const SquareTile X1", "      SquareAcc y;", "      // G = −strict_tril", "    if constexpr (!kScalar) {  // the operands",
+                    "    add_gram_grads(blk", "    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {\n      blk.store2(p.dq",
                     "    // dg: suffix sums"]),
 }
 

@@ -43,12 +43,16 @@ void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bo
 // beta, which the caller owns and reads no more (each block reads its own chunk's rows of them, all
 // before it writes its gradients there; the pass in value halves adds two blocks' shares into
 // zeros, so it cannot): at T = 8192, H = 32, 268 MB fewer (KDA's per-channel gate: 403).
+// `qk_dtype` (gradients pass, the whole pass, HV == H: no group to sum): dq and dk are those of the
+// raw q and k, back through `scale` and, with `l2norm`, the l2 norm whose rows' 1 / norms
+// `qk_rnorm` [rows, HV, 2] holds (chunk_bwd_inputs), in qk_dtype; q and k are then not written.
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
                                          const std::optional<at::Tensor>& states,
                                          const std::optional<at::Tensor>& dstates, bool every_token,
-                                         bool overwrite_inputs) {
+                                         bool overwrite_inputs, const std::optional<at::Tensor>& qk_rnorm, double scale,
+                                         bool l2norm, std::optional<at::ScalarType> qk_dtype) {
   TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
   for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}}) check_tokens(*t, q, name, true);
   const bool scalar_gate = g.dim() == 2;  // [rows, HV]: one log decay for every key channel
@@ -117,16 +121,36 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     const bool dv16 = v.scalar_type() == at::kBFloat16 || v.scalar_type() == at::kHalf;
     TORCH_CHECK(!overwrite_inputs || (every_token && !split),
                 "flashkda: overwrite_inputs needs every_token and the whole gradients pass (not the value halves)");
+    const bool raw_qk = qk_dtype.has_value();
+    TORCH_CHECK(!raw_qk || !split, "flashkda: qk_dtype needs the whole gradients pass (not the value halves)");
+    TORCH_CHECK(!raw_qk || *qk_dtype == at::kFloat || *qk_dtype == at::kBFloat16 || *qk_dtype == at::kHalf,
+                "flashkda: qk_dtype must be float32, bfloat16 or float16");
+    if (raw_qk && l2norm) {
+      TORCH_CHECK(qk_rnorm.has_value(), "flashkda: qk_dtype with l2norm needs qk_rnorm");
+      check_cuda(*qk_rnorm, q, "qk_rnorm");
+      TORCH_CHECK(qk_rnorm->scalar_type() == at::kFloat && qk_rnorm->is_contiguous() &&
+                      qk_rnorm->numel() == q.size(0) * HV * 2,
+                  "flashkda: qk_rnorm must be contiguous float32 [rows, HV, 2]");
+      p.qk_rnorm = qk_rnorm->data_ptr<float>();
+    }
     const auto make_or_reuse = [&](const at::Tensor& input, at::ScalarType type, bool sum) {
-      return overwrite_inputs ? input : make(input, type, sum);
+      return overwrite_inputs && !raw_qk ? input : make(input, type, sum);
     };
-    out.push_back(make_or_reuse(q, at::kFloat, split));
-    out.push_back(make_or_reuse(k, at::kFloat, split));
+    out.push_back(make_or_reuse(q, raw_qk ? *qk_dtype : at::kFloat, split));
+    out.push_back(make_or_reuse(k, raw_qk ? *qk_dtype : at::kFloat, split));
     out.push_back(make(q, dv16 ? v.scalar_type() : at::kFloat, false));
     out.push_back(make_or_reuse(g, at::kFloat, split));  // dg: g's shape
     out.push_back(make_or_reuse(beta, at::kFloat, split));
-    p.dq = out[0].data_ptr<float>();
-    p.dk = out[1].data_ptr<float>();
+    if (raw_qk) {
+      p.dq_raw = out[0].data_ptr();
+      p.dk_raw = out[1].data_ptr();
+      p.qk_dtype = to_dtype(out[0], "dq");
+      p.scale = float(scale);
+      p.l2norm = l2norm;
+    } else {
+      p.dq = out[0].data_ptr<float>();
+      p.dk = out[1].data_ptr<float>();
+    }
     p.dv = out[2].data_ptr();
     p.dv_dtype = to_dtype(out[2], "dv");
     p.dg = out[3].data_ptr<float>();
@@ -293,9 +317,10 @@ ChunkBwdTokenParams token_params(const at::Tensor& q, const at::Tensor& k, const
 
 }  // namespace
 
-// The preprocessed inputs of the per-chunk passes: [q̂, k̂, ĝ, β̂], fp32, q̂ k̂ ĝ [B, T, HV, 128] (q̂ and
-// k̂ per value head; ĝ of every key channel, or of a scalar gate [B, T, HV]), β̂ [B, T, HV]
-// (chunk_bwd_params.h, ChunkBwdTokenParams).
+// The preprocessed inputs of the per-chunk passes: [q̂, k̂, ĝ, β̂, r], fp32, q̂ k̂ ĝ [B, T, HV, 128]
+// (q̂ and k̂ per value head; ĝ of every key channel, or of a scalar gate [B, T, HV]), β̂ [B, T, HV],
+// and with l2norm the 1 / norms of q's and k's rows per value head, r [B, T, HV, 2] (without it, r
+// is not written) (chunk_bwd_params.h, ChunkBwdTokenParams).
 std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,
@@ -307,11 +332,12 @@ std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& 
   const int64_t B = q.size(0), T = q.size(1), HV = v.size(2), D = chunk::kHeadDim;
   std::vector<at::Tensor> out{at::empty({B, T, HV, D}, f32), at::empty({B, T, HV, D}, f32),
                               p.tok.scalar_gate ? at::empty({B, T, HV}, f32) : at::empty({B, T, HV, D}, f32),
-                              at::empty({B, T, HV}, f32)};
+                              at::empty({B, T, HV}, f32), at::empty({B, T, HV, 2}, f32)};
   p.q_hat = out[0].data_ptr<float>();
   p.k_hat = out[1].data_ptr<float>();
   p.g_hat = out[2].data_ptr<float>();
   p.beta_hat = out[3].data_ptr<float>();
+  p.qk_rnorm = out[4].data_ptr<float>();
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaError_t err = run_chunk_bwd_tokens(p, ChunkBwdTokenPass::kInputs, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_bwd_inputs launch failed: ", cudaGetErrorString(err));
@@ -321,21 +347,26 @@ std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& 
 // The gradients of the raw inputs from those of chunk_bwd_inputs' outputs (fp32, its layouts):
 // [dq, dk, dg, dbeta] contiguous in the shapes and dtypes of q, k, g, beta, then the per-tile sums
 // [tiles, HV] of dA_log and [tiles, HV, 128] (a scalar gate: [tiles, HV]) of ddt_bias, fp32, empty
-// where the gate does not use that parameter.
+// where the gate does not use that parameter. Without dq_hat and dk_hat (the gradients pass wrote
+// dq and dk: chunk_local_grad's qk_dtype), dq and dk are empty [0] tensors.
 std::vector<at::Tensor> chunk_bwd_input_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& g, const at::Tensor& beta,
                                               const std::optional<at::Tensor>& A_log,
-                                              const std::optional<at::Tensor>& dt_bias, const at::Tensor& dq_hat,
-                                              const at::Tensor& dk_hat, const at::Tensor& dg_hat,
+                                              const std::optional<at::Tensor>& dt_bias,
+                                              const std::optional<at::Tensor>& dq_hat,
+                                              const std::optional<at::Tensor>& dk_hat, const at::Tensor& dg_hat,
                                               const at::Tensor& dbeta_hat, double scale, int64_t gate_mode,
                                               double lower_bound, bool l2norm, bool beta_sigmoid,
                                               bool allow_neg_eigval) {
   ChunkBwdTokenParams p =
       token_params(q, k, v, g, beta, A_log, dt_bias, scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval);
   const int64_t HV = v.size(2), D = chunk::kHeadDim;
+  const bool qk = dq_hat.has_value();
+  TORCH_CHECK(qk == dk_hat.has_value(), "flashkda: dq_hat and dk_hat come together");
   for (const auto& [t, name, per_channel] :
-       {std::tuple{&dq_hat, "dq_hat", true}, {&dk_hat, "dk_hat", true}, {&dg_hat, "dg_hat", !p.tok.scalar_gate},
-        {&dbeta_hat, "dbeta_hat", false}}) {
+       {std::tuple{qk ? &*dq_hat : nullptr, "dq_hat", true}, {qk ? &*dk_hat : nullptr, "dk_hat", true},
+        {&dg_hat, "dg_hat", !p.tok.scalar_gate}, {&dbeta_hat, "dbeta_hat", false}}) {
+    if (t == nullptr) continue;
     check_cuda(*t, q, name);
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->numel() == p.rows * HV * (per_channel ? D : 1) &&
@@ -344,17 +375,18 @@ std::vector<at::Tensor> chunk_bwd_input_grads(const at::Tensor& q, const at::Ten
   }
   const auto f32 = q.options().dtype(at::kFloat);
   const int64_t tiles = (p.rows + kBwdTokenTileRows - 1) / kBwdTokenTileRows;
-  std::vector<at::Tensor> out{at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options()),
+  std::vector<at::Tensor> out{qk ? at::empty(q.sizes(), q.options()) : at::empty({0}, q.options()),
+                              qk ? at::empty(k.sizes(), k.options()) : at::empty({0}, k.options()),
                               at::empty(g.sizes(), g.options().memory_format(at::MemoryFormat::Contiguous)),
                               at::empty(beta.sizes(), beta.options().memory_format(at::MemoryFormat::Contiguous)),
                               at::empty({p.tok.A_log != nullptr ? tiles : 0, HV}, f32),
                               at::empty({p.tok.dt_bias != nullptr ? tiles : 0, HV * (p.tok.scalar_gate ? 1 : D)}, f32)};
-  p.dq_hat = dq_hat.data_ptr<float>();
-  p.dk_hat = dk_hat.data_ptr<float>();
+  p.dq_hat = qk ? dq_hat->data_ptr<float>() : nullptr;
+  p.dk_hat = qk ? dk_hat->data_ptr<float>() : nullptr;
   p.dg_hat = dg_hat.data_ptr<float>();
   p.dbeta_hat = dbeta_hat.data_ptr<float>();
-  p.dq = out[0].data_ptr();
-  p.dk = out[1].data_ptr();
+  p.dq = qk ? out[0].data_ptr() : nullptr;
+  p.dk = qk ? out[1].data_ptr() : nullptr;
   p.dg = out[2].data_ptr();
   p.dbeta = out[3].data_ptr();
   p.dA_log_part = p.tok.A_log != nullptr ? out[4].data_ptr<float>() : nullptr;

@@ -130,7 +130,8 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
                                          const std::optional<at::Tensor>& states,
                                          const std::optional<at::Tensor>& dstates, bool every_token,
-                                         bool overwrite_inputs);
+                                         bool overwrite_inputs, const std::optional<at::Tensor>& qk_rnorm, double scale,
+                                         bool l2norm, std::optional<at::ScalarType> qk_dtype);
 std::vector<at::Tensor> chunk_state_scan(const at::Tensor& maps, const at::Tensor& offsets, const at::Tensor& start,
                                          const at::Tensor& seq_first, const at::Tensor& seq_chunks, bool reverse);
 at::Tensor chunk_state_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -148,8 +149,9 @@ std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& 
 std::vector<at::Tensor> chunk_bwd_input_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& g, const at::Tensor& beta,
                                               const std::optional<at::Tensor>& A_log,
-                                              const std::optional<at::Tensor>& dt_bias, const at::Tensor& dq_hat,
-                                              const at::Tensor& dk_hat, const at::Tensor& dg_hat,
+                                              const std::optional<at::Tensor>& dt_bias,
+                                              const std::optional<at::Tensor>& dq_hat,
+                                              const std::optional<at::Tensor>& dk_hat, const at::Tensor& dg_hat,
                                               const at::Tensor& dbeta_hat, double scale, int64_t gate_mode,
                                               double lower_bound, bool l2norm, bool beta_sigmoid,
                                               bool allow_neg_eigval);

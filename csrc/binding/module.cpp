@@ -30,7 +30,8 @@ TORCH_LIBRARY(flashkda, m) {
   m.def(
       "chunk_local_grad(Tensor(a!) q, Tensor(b!) k, Tensor v, Tensor(c!) g, Tensor(d!) beta, Tensor dO, "
       "Tensor chunk_bos, Tensor chunk_len, int pass_, Tensor? states=None, Tensor? dstates=None, "
-      "bool every_token=False, bool overwrite_inputs=False) -> Tensor[]");
+      "bool every_token=False, bool overwrite_inputs=False, Tensor? qk_rnorm=None, float scale=1.0, "
+      "bool l2norm=False, ScalarType? qk_dtype=None) -> Tensor[]");
   m.def(
       "chunk_state_scan(Tensor maps, Tensor offsets, Tensor start, Tensor seq_first, Tensor seq_chunks, "
       "bool reverse) -> Tensor[]");
@@ -45,7 +46,7 @@ TORCH_LIBRARY(flashkda, m) {
       "-> Tensor[]");
   m.def(
       "chunk_bwd_input_grads(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
-      "Tensor dq_hat, Tensor dk_hat, Tensor dg_hat, Tensor dbeta_hat, float scale, int gate_mode, "
+      "Tensor? dq_hat, Tensor? dk_hat, Tensor dg_hat, Tensor dbeta_hat, float scale, int gate_mode, "
       "float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) -> Tensor[]");
 }
 

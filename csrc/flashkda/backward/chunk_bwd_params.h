@@ -66,6 +66,16 @@ struct ChunkBwdParams {
   DType dv_dtype;
   float* dg;        // [rows, HV, D] (a scalar gate: [rows, HV], the sum over the key channels)
   float* dbeta;     // [rows, HV]
+  // kGradients, the whole pass, optional (nullptr: dq̂ and dk̂ into dq and dk): the gradients of the
+  // raw q and k instead, back through the scale and the l2 norm (dx = r (dy − y (y · dy)), y the
+  // normalised row, r its 1 / norm), written in qk_dtype, with the value heads as key heads (no group
+  // to sum: the caller's HV == H). dq and dk are then not written.
+  void* dq_raw;             // [rows, HV, D] in qk_dtype
+  void* dk_raw;             // [rows, HV, D] in qk_dtype
+  DType qk_dtype;
+  const float* qk_rnorm;    // [rows, HV, 2] 1 / norm of each row of q and k (chunk_bwd_inputs), with l2norm
+  float scale;              // q̂ = scale · l2norm(q)
+  bool l2norm;
 };
 
 // The two scans over chunks (chunk_state_scan.cuh), on the transitions pass's maps, for N
@@ -89,7 +99,7 @@ struct ChunkScanParams {
 
 // The per-token work around the per-chunk passes (chunk_bwd_tokens.cuh).
 enum class ChunkBwdTokenPass : int32_t {
-  kInputs = 0,  // q̂, k̂, ĝ, β̂ from the raw inputs
+  kInputs = 0,  // q̂, k̂, ĝ, β̂ (and the rows' 1 / norms) from the raw inputs
   kGrads = 1,   // dq, dk, dg, dβ and the gate parameters' sums per tile from dq̂, dk̂, dĝ, dβ̂
 };
 // Tokens per tile of the gate parameters' sums (ChunkBwdTokenParams::dA_log_part, ddt_bias_part).
@@ -103,12 +113,14 @@ struct ChunkBwdTokenParams {
   DType qk_dtype;  // of q and k
   int64_t rows;    // B * T
   // kInputs: outputs, fp32, [rows, HV, D] (β̂, and ĝ of a scalar gate: [rows, HV]); q̂ and k̂ per
-  // value head.
+  // value head; with l2norm, the rows' 1 / norms (q's, k's) per value head.
   float* q_hat;
   float* k_hat;
   float* g_hat;
   float* beta_hat;
-  // kGrads: inputs, fp32, the layout of kInputs' outputs.
+  float* qk_rnorm;  // [rows, HV, 2]
+  // kGrads: inputs, fp32, the layout of kInputs' outputs (dq_hat and dk_hat nullptr: dq and dk were
+  // written by the gradients pass, ChunkBwdParams::dq_raw, and are not computed here).
   const float* dq_hat;
   const float* dk_hat;
   const float* dg_hat;

@@ -3,16 +3,17 @@
 //   inputs   the preprocessed fp32 tensors the passes read: q̂ = scale · l2norm(q), k̂ = l2norm(k)
 //            (each repeated over the value heads of its group), the log decay ĝ of every key channel
 //            (a scalar gate's: one per token and head) and β̂, computed as the forward kernels
-//            compute them (token_math.cuh);
+//            compute them (token_math.cuh), and with the l2 norm each row's 1 / norm (the
+//            gradients pass takes q and k's gradients back through it where it writes them);
 //   grads    the passes' gradients back through that preprocessing (docs/SPEC.md, "Gradients"):
 //            dq, dk (summed over each group, through the l2 norm), dg through the gate function,
 //            dβ through the sigmoid, written in the raw inputs' dtypes, and the gate parameters'
 //            sums per tile of rows (summed by the caller: a fixed order, so the result does not vary
 //            from run to run).
-// One warp per (token, head), four key channels a lane: memory-bound, one read of each input and
-// one write of each output. Each kernel issues all of a token's loads before its first store: the
-// compiler, which cannot tell the outputs from the inputs, keeps a load written after a store
-// behind it, one memory latency after another.
+// A warp per (kTokensPerWarp tokens, head), four key channels a lane: memory-bound, one read of
+// each input and one write of each output. Each kernel issues all of its tokens' loads before its
+// first store: the compiler, which cannot tell the outputs from the inputs, keeps a load written
+// after a store behind it, one memory latency after another.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -35,6 +36,10 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPerLane = kHeadDim / 32;
 constexpr int kRowsPerWarp = kBwdTokenTileRows / kWarps;
+// Tokens of a warp in the inputs and q / k gradient kernels: their loads are in flight together
+// (sm_90: 48 and 68 registers a thread, five and three blocks an SM, 80 and 48 tokens in flight,
+// against 48 and 40 with a token a warp).
+constexpr int kTokensPerWarp = 2;
 static_assert(kPerLane == 4 && kBwdTokenTileRows % kWarps == 0, "a lane: four channels; a tile: whole warps");
 
 // Element offset of (token row, head) in a [B, T, heads, ...] tensor with these strides.
@@ -77,77 +82,107 @@ __device__ __forceinline__ float raw_beta(const RecurrentParams& t, int64_t row,
   return load_any(t.beta, t.beta_dtype, token_offset(row, t.T, t.beta_batch_stride, t.beta_token_stride, 1, hv));
 }
 
-// One warp per (token, value head): q̂ and k̂ of the head's key head, ĝ and β̂.
+// First token row of this warp's kTokensPerWarp.
+__device__ __forceinline__ int64_t warp_first_row() {
+  return (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kTokensPerWarp;
+}
+
+// A warp per (kTokensPerWarp tokens, value head): q̂ and k̂ of the head's key head, ĝ and β̂.
 __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkBwdTokenParams p) {
   const RecurrentParams& t = p.tok;
   const int lane = threadIdx.x & 31, c0 = lane * kPerLane, hv = blockIdx.y;
-  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (row >= p.rows) return;
+  const int64_t row0 = warp_first_row();
   const int h = key_head(t, hv);
-  const int64_t out = (row * t.HV + hv) * kHeadDim + c0;
-  float x[2][4], raw[4], bias[4];  // q, k, the raw gate and dt_bias: every load before the stores
+  // q, k, the raw gate, β and dt_bias of every token: every load before the stores (a row past the
+  // end loads and stores nothing; the loops stay unrolled, their arrays in registers)
+  float x[kTokensPerWarp][2][4], raw[kTokensPerWarp][4], beta_raw[kTokensPerWarp], bias[4];
 #pragma unroll
-  for (int is_k = 0; is_k < 2; ++is_k) load_qk(p, is_k, row, h, c0, x[is_k]);
-  load_gate(p, row, hv, c0, raw);
-  load_bias(t, hv, c0, bias);
-  const float beta_raw = lane == 0 ? raw_beta(t, row, hv) : 0.f;
+  for (int i = 0; i < kTokensPerWarp; ++i) {
+    const int64_t row = row0 + i;
+    if (row >= p.rows) continue;
 #pragma unroll
-  for (int is_k = 0; is_k < 2; ++is_k) {
-    float (&y)[4] = x[is_k];
-    float f = is_k ? 1.f : t.scale;
-    if (t.l2norm) f *= rsqrtf(group_sum<32>(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) + kL2NormEps);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) y[e] *= f;
-    store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, x[is_k]);
+    for (int is_k = 0; is_k < 2; ++is_k) load_qk(p, is_k, row, h, c0, x[i][is_k]);
+    load_gate(p, row, hv, c0, raw[i]);
+    beta_raw[i] = lane == 0 ? raw_beta(t, row, hv) : 0.f;
   }
-  float decay[4];
-  log_decays(t, raw, bias, gate_scale(t, hv), decay);
-  if (!t.scalar_gate)
-    store_floats<4>(p.g_hat + out, decay);
-  else if (lane == 0)
-    p.g_hat[row * t.HV + hv] = decay[0];
-  if (lane == 0) p.beta_hat[row * t.HV + hv] = beta_value(t, beta_raw);
+  load_bias(t, hv, c0, bias);
+  const float a = gate_scale(t, hv);
+#pragma unroll
+  for (int i = 0; i < kTokensPerWarp; ++i) {
+    const int64_t row = row0 + i;
+    if (row >= p.rows) continue;
+    const int64_t out = (row * t.HV + hv) * kHeadDim + c0;
+#pragma unroll
+    for (int is_k = 0; is_k < 2; ++is_k) {
+      float (&y)[4] = x[i][is_k];
+      float f = is_k ? 1.f : t.scale;
+      if (t.l2norm) {
+        const float r = rsqrtf(group_sum<32>(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) + kL2NormEps);
+        f *= r;
+        if (lane == 0) p.qk_rnorm[(row * t.HV + hv) * 2 + is_k] = r;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) y[e] *= f;
+      store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, y);
+    }
+    float decay[4];
+    log_decays(t, raw[i], bias, a, decay);
+    if (!t.scalar_gate)
+      store_floats<4>(p.g_hat + out, decay);
+    else if (lane == 0)
+      p.g_hat[row * t.HV + hv] = decay[0];
+    if (lane == 0) p.beta_hat[row * t.HV + hv] = beta_value(t, beta_raw[i]);
+  }
 }
 
-// One warp per (token, key head): dq and dk, the group's value heads summed, back through the scale
-// and the l2 norm (r dy − r y (dy · y), y the normalised row, r its 1 / norm).
+// A warp per (kTokensPerWarp tokens, key head): dq and dk, the group's value heads summed, back
+// through the scale and the l2 norm (r dy − r y (dy · y), y the normalised row, r its 1 / norm).
 __global__ void __launch_bounds__(kThreads) chunk_bwd_qk_grads_kernel(const ChunkBwdTokenParams p) {
   const RecurrentParams& t = p.tok;
   const int lane = threadIdx.x & 31, c0 = lane * kPerLane, h = blockIdx.y;
-  const int64_t row = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (row >= p.rows) return;
+  const int64_t row0 = warp_first_row();
   const int group = t.HV / t.H;
   // Every load first: the gradients of the group's value heads (summed) and the raw q and k.
-  float dys[2][4] = {}, xs[2][4];
+  float dys[kTokensPerWarp][2][4] = {}, xs[kTokensPerWarp][2][4];
 #pragma unroll
-  for (int is_k = 0; is_k < 2; ++is_k) {
-    const float* src = is_k ? p.dk_hat : p.dq_hat;
-    for (int j = 0; j < group; ++j) {
-      float d[4];
-      load_floats<4>(src + (row * t.HV + h * group + j) * kHeadDim + c0, d);
+  for (int i = 0; i < kTokensPerWarp; ++i) {
+    const int64_t row = row0 + i;
+    if (row >= p.rows) continue;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dys[is_k][e] += d[e];
+    for (int is_k = 0; is_k < 2; ++is_k) {
+      const float* src = is_k ? p.dk_hat : p.dq_hat;
+      for (int j = 0; j < group; ++j) {
+        float d[4];
+        load_floats<4>(src + (row * t.HV + h * group + j) * kHeadDim + c0, d);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dys[i][is_k][e] += d[e];
+      }
+      if (t.l2norm) load_qk(p, is_k, row, h, c0, xs[i][is_k]);
     }
-    if (t.l2norm) load_qk(p, is_k, row, h, c0, xs[is_k]);
   }
 #pragma unroll
-  for (int is_k = 0; is_k < 2; ++is_k) {
-    float (&dy)[4] = dys[is_k];
-    if (!is_k) {
+  for (int i = 0; i < kTokensPerWarp; ++i) {
+    const int64_t row = row0 + i;
+    if (row >= p.rows) continue;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dy[e] *= t.scale;
+    for (int is_k = 0; is_k < 2; ++is_k) {
+      float (&dy)[4] = dys[i][is_k];
+      if (!is_k) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dy[e] *= t.scale;
+      }
+      if (t.l2norm) {
+        const float (&x)[4] = xs[i][is_k];
+        const float r = rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+        float y[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[e] = x[e] * r;
+        const float dot = group_sum<32>(dy[0] * y[0] + dy[1] * y[1] + dy[2] * y[2] + dy[3] * y[3]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dy[e] = r * (dy[e] - y[e] * dot);
+      }
+      store_any_vec4(element_at(is_k ? p.dk : p.dq, p.qk_dtype, (row * t.H + h) * kHeadDim + c0), p.qk_dtype, dy);
     }
-    if (t.l2norm) {
-      const float (&x)[4] = xs[is_k];
-      const float r = rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
-      float y[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) y[e] = x[e] * r;
-      const float dot = group_sum<32>(dy[0] * y[0] + dy[1] * y[1] + dy[2] * y[2] + dy[3] * y[3]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dy[e] = r * (dy[e] - y[e] * dot);
-    }
-    store_any_vec4(element_at(is_k ? p.dk : p.dq, p.qk_dtype, (row * t.H + h) * kHeadDim + c0), p.qk_dtype, dy);
   }
 }
 
@@ -274,11 +309,13 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
 cudaError_t run_chunk_bwd_tokens(const ChunkBwdTokenParams& p, ChunkBwdTokenPass pass, cudaStream_t stream) {
   using namespace chunk_bwd_tokens;
   if (p.rows == 0) return cudaSuccess;
-  const unsigned row_blocks = unsigned((p.rows + kWarps - 1) / kWarps);
+  constexpr int kRowsPerBlock = kWarps * kTokensPerWarp;
+  const unsigned row_blocks = unsigned((p.rows + kRowsPerBlock - 1) / kRowsPerBlock);
   if (pass == ChunkBwdTokenPass::kInputs) {
     chunk_bwd_inputs_kernel<<<dim3(row_blocks, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
   } else {
-    chunk_bwd_qk_grads_kernel<<<dim3(row_blocks, unsigned(p.tok.H)), kThreads, 0, stream>>>(p);
+    if (p.dq_hat != nullptr)  // (else the gradients pass wrote dq and dk)
+      chunk_bwd_qk_grads_kernel<<<dim3(row_blocks, unsigned(p.tok.H)), kThreads, 0, stream>>>(p);
     const unsigned tiles = unsigned((p.rows + kBwdTokenTileRows - 1) / kBwdTokenTileRows);
     chunk_bwd_gate_grads_kernel<<<dim3(tiles, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
   }

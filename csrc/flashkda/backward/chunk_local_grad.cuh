@@ -191,7 +191,13 @@ struct SmemLayout {
   static constexpr int kNumSlots = 8;
   static constexpr int kBytes = kSlots + kNumSlots * ChunkTile::kBytes;
   __host__ __device__ static constexpr int slot(int i) { return kSlots + i * ChunkTile::kBytes; }
+  // A scalar decay's pass (BlockT's kScalarDecay) keeps Γ as [kChunk] fp32 and has no pivots or
+  // factors: its bf16 q̂ and k̂ tiles (the Gram operands, and q̂, k̂ for every later use) live over
+  // the rest of that space for the whole pass, staged once.
+  static constexpr int kScalarQ = kGamma + kChunk * 4;
+  static constexpr int kScalarK = kScalarQ + ChunkTile::kBytes;
 };
+static_assert(SmemLayout::kScalarK + ChunkTile::kBytes <= SmemLayout::kBeta, "a scalar decay's q̂, k̂ tiles fit over Γ");
 static_assert(StateTile::kBytes <= 2 * ChunkTile::kBytes, "a state tile takes two slots");
 static_assert(kChunk * kF32Stride * 4 <= ChunkTile::kBytes, "the fp32 L takes one slot");
 static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= ChunkTile::kBytes, "the solve's scratch takes one slot");
@@ -574,12 +580,13 @@ __device__ __forceinline__ void solve(const Blk& blk, float* Lf_base, float* scr
   }
 }
 
-// From the gradient d of x e^Γ (x = q̂ or k̂): dx += e^Γ d, and dΓ += x e^Γ d.
-template <class Blk>
+// From the gradient d of x e^Γ (x = q̂ or k̂): dx += e^Γ d, and dΓ += x e^Γ d; x_of(t, c) gives
+// channels c, c + 1 of token t's x.
+template <class Blk, class XOf>
 __device__ __forceinline__ void add_through_decay(const Blk& blk, const ChunkAcc& d, ChunkAcc& dx, ChunkAcc& dG,
-                                                  const float* x_src) {
+                                                  XOf&& x_of) {
   ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-    const float2 G = blk.G2(t, c), xs = blk.load2(x_src, t, c);
+    const float2 G = blk.G2(t, c), xs = x_of(t, c);
     const float x0 = d.c[mi][ni][2 * h] * __expf(G.x), x1 = d.c[mi][ni][2 * h + 1] * __expf(G.y);
     dx.c[mi][ni][2 * h] += x0;
     dx.c[mi][ni][2 * h + 1] += x1;
@@ -589,12 +596,12 @@ __device__ __forceinline__ void add_through_decay(const Blk& blk, const ChunkAcc
 }
 
 // From dkd, the gradient of kd = k̂ e^{Γ_C−Γ}: dk̂ += e^{Γ_C−Γ} dkd, dΓ −= kd dkd, and Σ_t kd dkd to
-// the chunk's end (shared-memory atomics over the warps).
-template <class Blk>
-__device__ __forceinline__ void add_kd_grad(const Blk& blk, const ChunkAcc& dkd, ChunkAcc& dk, ChunkAcc& dG) {
+// the chunk's end (shared-memory atomics over the warps); k_of(t, c) as add_through_decay's x_of.
+template <class Blk, class KOf>
+__device__ __forceinline__ void add_kd_grad(const Blk& blk, const ChunkAcc& dkd, ChunkAcc& dk, ChunkAcc& dG, KOf&& k_of) {
   float end_part[ChunkAcc::NI][2] = {};
   ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-    const float2 G = blk.G2(t, c), ks = blk.load2(blk.p.k, t, c);
+    const float2 G = blk.G2(t, c), ks = k_of(t, c);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float decay = __expf(blk.G_end(c + j) - (j ? G.y : G.x));
@@ -750,6 +757,62 @@ __device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, fl
   if (tid < kChunk && tid < blk.len) put(blk.p.dbeta + blk.head_at(tid), blk.dbeta()[tid]);
 }
 
+// dq and dk of the raw q and k (ChunkBwdParams::dq_raw) from the block's gradients dq̂, dk̂ of q̂ =
+// scale · y_q, k̂ = y_k (y the l2-normalised rows, r their 1 / norms): dx = r (dy − y (y · dy)) with
+// dy = scale · dq̂ for q (y · dy = q̂ · dq̂), dk̂ for k; without the l2 norm dx = dy. q_hat and k_hat:
+// the chunk's fp32 rows staged in shared memory; `dots` ([2][kChunk][kColWarps] fp32 scratch) takes
+// each column warp's share of the row sums. Ends with a barrier (q_hat, k_hat and dots free again).
+template <class Blk>
+__device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAcc& dq, const ChunkAcc& dk,
+                                                   const float* q_hat, const float* k_hat, float* dots) {
+  const ChunkBwdParams& p = blk.p;
+  const int lane = threadIdx.x & 31, col_warp = (threadIdx.x >> 5) / kRowWarps;
+  const auto x_at = [](const float* x, int t, int c) { return *reinterpret_cast<const float2*>(x + t * kHeadDim + c); };
+  if (p.l2norm) {
+    static_assert(ChunkAcc::MI == 1, "a thread's rows: lane / 4 and lane / 4 + 8 of its warp's sixteen");
+    float part[2][2] = {};  // [q, k][row lane / 4, lane / 4 + 8]
+    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+      const float2 xq = x_at(q_hat, t, c), xk = x_at(k_hat, t, c);
+      part[0][h] += dq.c[mi][ni][2 * h] * xq.x + dq.c[mi][ni][2 * h + 1] * xq.y;
+      part[1][h] += dk.c[mi][ni][2 * h] * xk.x + dk.c[mi][ni][2 * h + 1] * xk.y;
+    });
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float x = part[i][h];  // the row's four lanes
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        const int row = ChunkAcc::m0() + sm80::FragAcc::m(lane, 2 * h);
+        if ((lane & 3) == 0) dots[(i * kChunk + row) * kColWarps + col_warp] = x;
+      }
+    __syncthreads();
+  }
+  const float s = p.scale, inv_s = 1.f / p.scale;
+  ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+    float out[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // q, k
+      const ChunkAcc& d = i ? dk : dq;
+      const float f = i ? 1.f : s;
+      out[i][0] = f * d.c[mi][ni][2 * h];
+      out[i][1] = f * d.c[mi][ni][2 * h + 1];
+      if (p.l2norm && t < blk.len) {
+        float dot = 0.f;
+#pragma unroll
+        for (int w = 0; w < kColWarps; ++w) dot += dots[(i * kChunk + t) * kColWarps + w];
+        const float r = __ldg(p.qk_rnorm + blk.head_at(t) * 2 + i), inv_f = i ? 1.f : inv_s;
+        const float2 x = x_at(i ? k_hat : q_hat, t, c);  // f · y
+        out[i][0] = r * (out[i][0] - x.x * inv_f * dot);
+        out[i][1] = r * (out[i][1] - x.y * inv_f * dot);
+      }
+    }
+    blk.store2(p.dq_raw, p.qk_dtype, t, c, out[0][0], out[0][1]);
+    blk.store2(p.dk_raw, p.qk_dtype, t, c, out[1][0], out[1][1]);
+  });
+  __syncthreads();
+}
+
 // kScalarGate: g and dg hold one log decay per (token, head) for every key channel (GDN). The
 // gradients pass then keeps Γ per token (BlockT's kScalarDecay): the Gram operands undecayed, and
 // e^{Γi−Γj} on each element of M, A and their gradients instead of pivots and factors per channel.
@@ -787,8 +850,16 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   __syncthreads();
 
   // Gram operands: q̂ e^{γ−h}, k̂ e^{γ−h} (rows), k̂ e^{h−γ} (columns), from q̂ and k̂ staged in
-  // shared memory (fp32, dense rows: stage_qk); a scalar decay's are q̂ and k̂ (Yk is Xk).
-  const ChunkTile Xq = blk.slot(0), Xk = blk.slot(1), Yk = blk.slot(kScalar ? 1 : 2);
+  // shared memory (fp32, dense rows: stage_qk); a scalar decay's are q̂ and k̂ (Yk is Xk), in tiles
+  // of their own that the pass keeps (SmemLayout::kScalarQ): its later uses of q̂ and k̂ read them
+  // there, with no second staging.
+  const ChunkTile Xq = kScalar ? blk.tile(SmemLayout::kScalarQ) : blk.slot(0);
+  const ChunkTile Xk = kScalar ? blk.tile(SmemLayout::kScalarK) : blk.slot(1);
+  const ChunkTile Yk = kScalar ? Xk : blk.slot(2);
+  // Channels c, c + 1 of token t's q̂ and k̂ for the gradients' decay terms: the kept tiles, or
+  // fp32 from global memory.
+  const auto q_of = [&](int t, int c) { return kScalar ? Xq.get2(t, c) : blk.load2(p.q, t, c); };
+  const auto k_of = [&](int t, int c) { return kScalar ? Xk.get2(t, c) : blk.load2(p.k, t, c); };
   const float* q_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(3));  // slots 3-4
   const float* k_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(5));  // slots 5-6
   auto build_gram_operands = [&] {
@@ -905,7 +976,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       ChunkAcc dqg;  // of q̂ e^Γ: dO Sᵀ
       dqg.zero();
       dqg.mma<false, false>(dOt, St, 0, kHeadDim);
-      add_through_decay(blk, dqg, dq, dG, p.q);
+      add_through_decay(blk, dqg, dq, dG, q_of);
     }
     __syncthreads();
     // dS' (the next state's gradient) over S, and e^{Γ_C} Σ_v S dS' to the chunk's end; kd over w.
@@ -915,7 +986,16 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       for (int o = 1; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);  // the warp's row
       if ((threadIdx.x & 31) == 0) blk.end()[r] += x * __expf(blk.G_end(r));
     });
-    blk.fill(kd, p.k, [&](int t, int c, float x) { return x * __expf(blk.G_end(c) - blk.G(t, c)); });
+    if constexpr (kScalar) {
+      for (int i = tid; i < kChunk * kHeadDim / 2; i += kThreads) {
+        const int t = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
+        const float2 k2 = Xk.get2(t, c);
+        const float decay = __expf(blk.G_end(c) - blk.G(t, c));
+        kd.store2(t, c, k2.x * decay, k2.y * decay);
+      }
+    } else {
+      blk.fill(kd, p.k, [&](int t, int c, float x) { return x * __expf(blk.G_end(c) - blk.G(t, c)); });
+    }
     __syncthreads();
     SquareAcc dM;  // dO Uᵀ, masked when stored
     {
@@ -927,7 +1007,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       ChunkAcc dkd;  // of kd: U dS'ᵀ
       dkd.zero();
       dkd.mma<false, false>(Ut, St, 0, kHeadDim);
-      add_kd_grad(blk, dkd, dk, dG);
+      add_kd_grad(blk, dkd, dk, dG, k_of);
       dM.zero();
       dM.mma<false, false>(dOt, Ut, 0, kHeadDim);
     }
@@ -967,7 +1047,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       ChunkAcc dkg;  // Tᵀ dw
       dkg.zero();
       dkg.mma<true, true>(Tt, dwt, 0, kChunk);
-      add_through_decay(blk, dkg, dk, dG, p.k);
+      add_through_decay(blk, dkg, dk, dG, k_of);
     }
     __syncthreads();
     {
@@ -989,16 +1069,29 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
         Gd.store(dZA, [&](int i, int, float x) { return x * blk.beta()[i]; });
     }
     __syncthreads();
-    stage_qk();  // over dw, X1, Y1 and dO
-    cute::cp_async_wait<0>();
-    __syncthreads();
-    build_gram_operands();  // over k̂ e^Γ, v and kd
-    __syncthreads();
+    const bool raw_grads = p.dq_raw != nullptr;
+    if constexpr (!kScalar) {  // the operands again (a scalar decay's are kept)
+      stage_qk();  // over dw, X1, Y1 and dO
+      cute::cp_async_wait<0>();
+      __syncthreads();
+      build_gram_operands();  // over k̂ e^Γ, v and kd
+      __syncthreads();
+    } else if (raw_grads) {
+      stage_qk();  // fp32 q̂ and k̂ for the l2 norm's gradient, in flight during the Gram gradients
+    }
     add_gram_grads(blk, dq, dk, dG, Mt, dZA, Xq, Xk, Yk);  // dM over M
-    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-      blk.store2(p.dq, DType::kFloat32, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
-      blk.store2(p.dk, DType::kFloat32, t, c, dk.c[mi][ni][2 * h], dk.c[mi][ni][2 * h + 1]);
-    });
+    if (raw_grads) {  // through the scale and the l2 norm, from the staged fp32 q̂ and k̂ (slots 3-6)
+      if constexpr (kScalar) {
+        cute::cp_async_wait<0>();
+        __syncthreads();
+      }
+      write_raw_qk_grads(blk, dq, dk, q_staged, k_staged, A);  // the row sums over A (read no more)
+    } else {
+      ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+        blk.store2(p.dq, DType::kFloat32, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
+        blk.store2(p.dk, DType::kFloat32, t, c, dk.c[mi][ni][2 * h], dk.c[mi][ni][2 * h + 1]);
+      });
+    }
     // dg: suffix sums of dΓ over the chunk, the chunk-end terms (kd, e^{Γ_C}) at its last token.
     float* dgamma = reinterpret_cast<float*>(smem + SmemLayout::slot(3));  // over dw and X1
     ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {

@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     ChunkAcc dqg;  // of q̂ e^Γ: dO Sᵀ (this half's value columns)
     dqg.zero();
     dqg.mma<false, false>(dOt, St, 0, kPartV);
-    add_through_decay(blk, dqg, dq, dG, p.q);
+    add_through_decay(blk, dqg, dq, dG, [&](int t, int c) { return blk.load2(p.q, t, c); });
   }
   __syncthreads();
 
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     ChunkAcc dkd;  // of kd: U dS'ᵀ
     dkd.zero();
     dkd.mma<false, false>(Ut, St, 0, kPartV);
-    add_kd_grad(blk, dkd, dk, dG);
+    add_kd_grad(blk, dkd, dk, dG, [&](int t, int c) { return blk.load2(p.k, t, c); });
     dM.zero();
     dM.mma<false, false>(dOt, Ut, 0, kPartV);
   }
@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
     ChunkAcc dkg;  // Tᵀ dw
     dkg.zero();
     dkg.mma<true, true>(Tt, dwt, 0, kChunk);
-    add_through_decay(blk, dkg, dk, dG, p.k);
+    add_through_decay(blk, dkg, dk, dG, [&](int t, int c) { return blk.load2(p.k, t, c); });
   }
   __syncthreads();
 
