@@ -497,7 +497,7 @@ def test_chunk_state_grad_matches_reference(case, kept, family):
         dS0 = _ext.chunk_state_grad_op(q, k, v, g, beta, A_log, dt_bias, cu, S0, *flags, do, dht, states, nexts,
                                        records)
 
-    qp, kp, gp, bp = (x.double().cpu() for x in token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags))
+    qp, kp, gp, bp = (x.double().cpu() for x in token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags)[:4])
     rows = B * T
     gate = gp.reshape(rows, HV, -1) if gp.dim() == 4 else gp.reshape(rows, HV)  # a scalar gate stays [rows, HV]
     flat = [x.reshape(rows, HV, -1) for x in (qp, kp, v.double().cpu())] + [gate, do.double().cpu().reshape(rows, HV, -1)]

@@ -768,8 +768,16 @@ __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAc
   const ChunkBwdParams& p = blk.p;
   const int lane = threadIdx.x & 31, col_warp = (threadIdx.x >> 5) / kRowWarps;
   const auto x_at = [](const float* x, int t, int c) { return *reinterpret_cast<const float2*>(x + t * kHeadDim + c); };
+  static_assert(ChunkAcc::MI == 1, "a thread's rows: lane / 4 and lane / 4 + 8 of its warp's sixteen");
+  const auto row_of = [&](int h) { return ChunkAcc::m0() + sm80::FragAcc::m(lane, 2 * h); };
+  // The 1 / norms of the thread's two rows, loaded first (in flight during the row sums).
+  float r[2][2];  // [q, k][row lane / 4, lane / 4 + 8]
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      r[i][h] = p.l2norm && row_of(h) < blk.len ? __ldg(p.qk_rnorm + blk.head_at(row_of(h)) * 2 + i) : 1.f;
   if (p.l2norm) {
-    static_assert(ChunkAcc::MI == 1, "a thread's rows: lane / 4 and lane / 4 + 8 of its warp's sixteen");
     float part[2][2] = {};  // [q, k][row lane / 4, lane / 4 + 8]
     ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
       const float2 xq = x_at(q_hat, t, c), xk = x_at(k_hat, t, c);
@@ -783,12 +791,24 @@ __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAc
         float x = part[i][h];  // the row's four lanes
         x += __shfl_xor_sync(0xffffffffu, x, 1);
         x += __shfl_xor_sync(0xffffffffu, x, 2);
-        const int row = ChunkAcc::m0() + sm80::FragAcc::m(lane, 2 * h);
-        if ((lane & 3) == 0) dots[(i * kChunk + row) * kColWarps + col_warp] = x;
+        if ((lane & 3) == 0) dots[(i * kChunk + row_of(h)) * kColWarps + col_warp] = x;
       }
     __syncthreads();
   }
-  const float s = p.scale, inv_s = 1.f / p.scale;
+  // Per row: the dot of y and dy as the multiple of x = f · y that dx takes off (dot / f).
+  const float s = p.scale;
+  float take[2][2] = {};
+  if (p.l2norm) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float dot = 0.f;
+#pragma unroll
+        for (int w = 0; w < kColWarps; ++w) dot += dots[(i * kChunk + row_of(h)) * kColWarps + w];
+        take[i][h] = i ? dot : dot / s;
+      }
+  }
   ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
     float out[2][2];
 #pragma unroll
@@ -797,14 +817,10 @@ __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAc
       const float f = i ? 1.f : s;
       out[i][0] = f * d.c[mi][ni][2 * h];
       out[i][1] = f * d.c[mi][ni][2 * h + 1];
-      if (p.l2norm && t < blk.len) {
-        float dot = 0.f;
-#pragma unroll
-        for (int w = 0; w < kColWarps; ++w) dot += dots[(i * kChunk + t) * kColWarps + w];
-        const float r = __ldg(p.qk_rnorm + blk.head_at(t) * 2 + i), inv_f = i ? 1.f : inv_s;
-        const float2 x = x_at(i ? k_hat : q_hat, t, c);  // f · y
-        out[i][0] = r * (out[i][0] - x.x * inv_f * dot);
-        out[i][1] = r * (out[i][1] - x.y * inv_f * dot);
+      if (p.l2norm) {
+        const float2 x = x_at(i ? k_hat : q_hat, t, c);  // f · y (zero past the chunk's end)
+        out[i][0] = r[i][h] * (out[i][0] - x.x * take[i][h]);
+        out[i][1] = r[i][h] * (out[i][1] - x.y * take[i][h]);
       }
     }
     blk.store2(p.dq_raw, p.qk_dtype, t, c, out[0][0], out[0][1]);
