@@ -3,9 +3,11 @@
 // in [-0.2, 0], β in [0, 1]), bf16 v, dO and chunk-boundary states. With PHASE_CLOCKS,
 // chunk_local_grad.cuh is the copy patched by phase_clocks.py (target local_grad) and thread 0 of
 // every block adds the clock cycles of each phase to g_phase_cycles. argv[3]: the gate, `channel`
-// (KDA's log decay per key channel, the default) or `scalar` (GDN's one per token and head).
-// argv[4], a path: dq, dk, dv, dg and dβ (fp32, in that order) are written there after the timing,
-// for compare_outputs.py.
+// (KDA's log decay per key channel, the default) or `scalar` (GDN's one per token and head), with
+// `-raw` (e.g. `scalar-raw`) the raw q's and k's gradients written in bf16 through the scale and the
+// l2 norm (ChunkBwdParams::dq_raw; 1 / norms in [0.5, 1.5]) instead of fp32 dq̂ and dk̂.
+// argv[4], a path (not with `-raw`): dq, dk, dv, dg and dβ (fp32, in that order) are written there
+// after the timing, for compare_outputs.py.
 //   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        local_grad_harness.cu -o local_grad_harness && ./local_grad_harness 8192 32 scalar
 #include <cuda_bf16.h>
@@ -30,7 +32,8 @@ __global__ void to_range(const __nv_bfloat16* n, float* x, size_t count, float l
 
 int main(int argc, char** argv) {
   const int T = argc > 1 ? std::atoi(argv[1]) : 8192, HV = argc > 2 ? std::atoi(argv[2]) : 32;
-  const bool scalar_gate = argc > 3 && std::strcmp(argv[3], "scalar") == 0;
+  const bool scalar_gate = argc > 3 && std::strncmp(argv[3], "scalar", 6) == 0;
+  const bool raw_qk = argc > 3 && std::strstr(argv[3], "-raw") != nullptr;
   constexpr int D = flashkda::chunk::kHeadDim, C = flashkda::chunk::kChunk;
   const int chunks = (T + C - 1) / C;
   const size_t n_tok = size_t(T) * HV * D, n_state = size_t(chunks) * HV * D * D;
@@ -69,6 +72,15 @@ int main(int argc, char** argv) {
   p.pass = flashkda::chunk_bwd::Pass::kGradients;
   p.states = states, p.dstates = dstates;
   p.dq = dq, p.dk = dk, p.dv = dv, p.dg = dg, p.dbeta = dbeta;
+  float* rnorm = nullptr;
+  if (raw_qk) {  // dq, dk of the raw q and k, bf16 (in the first half of the fp32 buffers)
+    CHECK(cudaMalloc(&rnorm, size_t(T) * HV * 2 * 4));
+    fill_normal_bf16<<<1024, 256>>>(noise, size_t(T) * HV * 2, 8, 1.f);
+    to_range<<<1024, 256>>>(noise, rnorm, size_t(T) * HV * 2, 0.5f, 1.5f);
+    p.dq = p.dk = nullptr;
+    p.dq_raw = dq, p.dk_raw = dk, p.qk_dtype = flashkda::DType::kBFloat16;
+    p.qk_rnorm = rnorm, p.scale = 1.f / std::sqrt(float(D)), p.l2norm = true;
+  }
   cudaError_t launch_err = cudaSuccess;
   using flashkda::chunk_bwd::Pass;
   const float med = median_ms([&] {
@@ -77,9 +89,9 @@ int main(int argc, char** argv) {
   }, 10);
   CHECK(launch_err);
   CHECK(cudaDeviceSynchronize());
-  std::printf("chunk_local_grad gradients, %s gate, T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", scalar_gate ? "scalar" : "channel", T, HV, med,
+  std::printf("chunk_local_grad gradients, %s gate%s, T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", scalar_gate ? "scalar" : "channel", raw_qk ? ", raw q/k gradients" : "", T, HV, med,
               1e3 * med / ((double(chunks) * HV + 131) / 132));
-  if (argc > 4) {
+  if (argc > 4 && !raw_qk) {
     FILE* f = std::fopen(argv[4], "wb");
     bool ok = true;
     const size_t n_gate = scalar_gate ? size_t(T) * HV : n_tok;

@@ -28,8 +28,7 @@ TARGETS = {
                     "  // L and T (the solve", "  // k̂ e^Γ from", "    cute::cp_async_wait<0>();  // S and dO",
                     "    // dS' (the next", "    SquareAcc dM;", "    blk.copy_state_async(St", "    const ChunkTile dwt",
                     "    const SquareTile X1", "      SquareAcc y;", "      // G = −strict_tril", "    if constexpr (!kScalar) {  // the operands",
-                    "    add_gram_grads(blk", "    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {\n      blk.store2(p.dq",
-                    "    // dg: suffix sums"]),
+                    "    add_gram_grads(blk", "    if (raw_grads) {  // through", "    // dg: suffix sums"]),
 }
 
 
