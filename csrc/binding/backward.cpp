@@ -71,6 +71,7 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                   chunk_bos.is_contiguous() && chunk_len.is_contiguous() && chunk_len.sizes() == chunk_bos.sizes(),
               "flashkda: chunk_bos (int64) and chunk_len (int32) must be contiguous [chunks] tensors");
   TORCH_CHECK(pass == 0 || pass == 1, "flashkda: pass must be 0 (transitions) or 1 (gradients)");
+  TORCH_CHECK(pass == 1 || !qk_dtype.has_value(), "flashkda: qk_dtype is an option of the gradients pass (pass 1)");
   const int64_t chunks = chunk_bos.size(0), HV = q.size(1), D = chunk::kHeadDim;
   const auto f32 = q.options();
   ChunkBwdParams p{};
