@@ -23,7 +23,8 @@ The backward splits the recurrence at 64-token chunks (the layout of the kernels
    constant;
 5. back through GVA and the preprocessing (on CUDA the per-token kernel ``chunk_bwd_input_grads``,
    which writes each gradient in its input's dtype and the gate parameters' sums per tile of
-   tokens; else :func:`_preprocess_grads`).
+   tokens; else :func:`_preprocess_grads`). Where no group shares q and k and step 4 runs whole on
+   the kernels, step 4 itself takes q's and k's gradients through the scale and the l2 norm.
 
 Steps 2-4 run on the CUDA kernels (:func:`_kernel_backward`, bf16 tensor-core products with fp32
 accumulation) where they serve (sm_90, K = V = 128, log decays within their 16-token span): step 3
