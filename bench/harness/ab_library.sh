@@ -11,7 +11,8 @@
 # time per call, fp32 pools at every N and a bf16 pool, default and sm_80 families) for a change
 # that reaches them. HOST=1 also runs bench/host_profile.py in each tree (host µs of an eager decode
 # call and of a small prefill call, their parts, and their CUDA-event times) for a change to an
-# eager path. TRAIN=1 also times a training call's kernels in each tree (bench/train_profile.py).
+# eager path. TRAIN=1 also times training calls in each tree: their kernels (bench/train_profile.py,
+# the KDA and GDN rows at T = 8192, H = 32) and those two rows' forward + backward (bench/test_train.py).
 # ROWS (environment) overrides the rows; the nvidia-cutlass wheel must be importable
 # for the builds (PYTHONPATH), as for any build of the extension.
 set -uo pipefail
@@ -56,9 +57,16 @@ for round in 1 2; do
     if [[ ${HOST:-0} == 1 ]]; then
       (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/host_profile.py 2>&1 | grep -v -i warn)
     fi
-    if [[ ${TRAIN:-0} == 1 ]]; then  # a training call's kernels by GPU time, T = 8192, H = 32
-      (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/train_profile.py --top 10 2>&1 \
-         | grep -E "chunk_|Self CUDA")
+    if [[ ${TRAIN:-0} == 1 ]]; then  # training calls: kernels by GPU time and the T = 8192, H = 32 rows
+      for case in train_T8k_H32 train_gdn_T8k_H32; do
+        (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/train_profile.py --case $case --top 10 \
+           2>&1 | grep -E "chunk_|Self CUDA")
+      done
+      results=/tmp/ab_library_train_${names[$i]}_$round.json
+      (cd "${dirs[$i]}" && FLASHKDA_FLA_BACKEND=0 PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 -m pytest -q -s \
+         bench/test_train.py -k "flashkda and (gdn or T8k_H32)" -p no:cacheprovider --flashkda-results "$results" \
+         --benchmark-disable-gc > /dev/null 2>&1 \
+         && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/report.py "$results" --markdown /dev/stdout | grep "^| train_")
     fi
   done
 done
