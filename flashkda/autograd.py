@@ -648,7 +648,11 @@ def _chunks_cover_every_token(opts: ChunkOptions, rows: int) -> bool:
 def _l2norm_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """Gradient of ``x / sqrt(Σ x² + eps)`` over the last dim: ``r dy − r y (dy · y)``."""
     r = torch.rsqrt((x * x).sum(-1, keepdim=True) + C.L2NORM_EPS)
-    y = x * r
+    return _l2norm_grad_of(x * r, r, dy)
+
+
+def _l2norm_grad_of(y: torch.Tensor, r: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """:func:`_l2norm_grad` from the normalised rows ``y`` and their ``1 / norm`` ``r`` (last dim 1)."""
     return r * (dy - y * (dy * y).sum(-1, keepdim=True))
 
 

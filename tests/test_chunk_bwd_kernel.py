@@ -37,8 +37,7 @@ def local_grad_reference(q, k, v, g, beta, dO, bos, length, pass_, states=None, 
         for i, (x, dx) in enumerate(zip((q, k), out[:2])):
             dy = dx * (1.0 if i else scale)
             if l2norm:
-                y = x / (1.0 if i else scale)
-                dy = qk_rnorm[..., i:i + 1] * (dy - y * (y * dy).sum(-1, keepdim=True))
+                dy = ag._l2norm_grad_of(x / (1.0 if i else scale), qk_rnorm[..., i:i + 1], dy)
             raw.append(dy.to(qk_dtype))
         if overwrite_inputs:
             for x, d in zip((g, beta), out[3:]):
