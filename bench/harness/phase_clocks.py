@@ -26,7 +26,7 @@ TARGETS = {
                    "chunk_local_grad_kernel(const ChunkBwdParams p)", "}  // namespace chunk_bwd",
                    ["  build_gram_operands();\n  __syncthreads();\n  gram_products", "  gram_products(blk",
                     "  // L and T (the solve", "  // k̂ e^Γ from", "    cute::cp_async_wait<0>();  // S and dO",
-                    "    // dS' (the next", "    SquareAcc dM;", "    blk.copy_state_async(St", "    const ChunkTile dwt",
+                    "    // e^{Γ_C} Σ_v S dS'", "    SquareAcc dM;", "    if constexpr (!kScalar) blk.copy_state_async(St", "    const ChunkTile dwt",
                     "    const SquareTile X1", "      SquareAcc y;", "      // G = −strict_tril", "    if constexpr (!kScalar) {  // the operands",
                     "    add_gram_grads(blk", "    if (raw_grads) {  // through", "    // dg: suffix sums"]),
 }

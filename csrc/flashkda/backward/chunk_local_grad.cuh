@@ -910,9 +910,18 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   __syncthreads();
   gram_products(blk, Mt, Xq, Xk, Yk);
   __syncthreads();
-  // L and T (the solve: fp32 L over slot 3, the scratch in slot 4), v in flight over Xk.
-  const ChunkTile kg = blk.slot(0), vt = blk.slot(1), wt = blk.slot(2);
+  // L and T (the solve: fp32 L over slot 3, the scratch in slot 4), v in flight over Xk. A scalar
+  // decay's pass, whose Gram operands left slots 0-2 free, also brings dS' (the gradient of the
+  // state after the chunk) into slots 0-1 now and keeps S from its arrival to its last use, so
+  // neither is read by registers or read twice; its later phases form kd and k̂ e^Γ products from
+  // the kept k̂ tile with the decays applied to the accumulators (no tiles for them). Slots, in
+  // order of use (X1 and Y1 over slots 4 and 5 in both):
+  //   KDA     0 kg | 1 v | 2 w, kd | 3 U, dw | 4-5 S, dS', S | 6 dO | 7 dU, dZA
+  //   scalar  0-1 dS', then 0 dw | 2 v | 3 w, dU | 4-5 S | 6 dO | 7 kg, U, dZA
+  const ChunkTile kg = blk.slot(kScalar ? 7 : 0), vt = blk.slot(kScalar ? 2 : 1), wt = blk.slot(kScalar ? 3 : 2);
+  const StateTile dSt = blk.template tile<StateTile>(SmemLayout::slot(0));  // scalar decay only
   blk.copy_rows_async(vt, p.v);
+  if constexpr (kScalar && kPass == Pass::kGradients) blk.copy_state_async(dSt, p.dstates);
   solve(blk, reinterpret_cast<float*>(smem + SmemLayout::slot(3)), reinterpret_cast<float*>(smem + SmemLayout::slot(4)),
         Lt, Tt);
   // k̂ e^Γ from the k̂ still staged (over Xq: the solve above ended with a barrier), and v.
@@ -979,7 +988,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     return;
   } else {
     const StateTile St = blk.template tile<StateTile>(SmemLayout::slot(4));
-    const ChunkTile Ut = blk.slot(3), dOt = blk.slot(6), dUt = blk.slot(7), kd = blk.slot(2);
+    const ChunkTile Ut = blk.slot(kScalar ? 7 : 3), dOt = blk.slot(6), dUt = blk.slot(kScalar ? 3 : 7);
+    const ChunkTile kd = blk.slot(2);  // KDA's only
     ChunkAcc dq, dk, dG;  // gradients of q̂, k̂ and Γ, accumulated in this layout
     dq.zero();
     dk.zero();
@@ -994,22 +1004,25 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       dqg.mma<false, false>(dOt, St, 0, kHeadDim);
       add_through_decay(blk, dqg, dq, dG, q_of);
     }
-    __syncthreads();
-    // dS' (the next state's gradient) over S, and e^{Γ_C} Σ_v S dS' to the chunk's end; kd over w.
-    blk.fill_state(St, p.dstates, p.states, [&](int r, int, const float4& d, const float4& s) {
+    // e^{Γ_C} Σ_v S dS' to the chunk's end (per key row r, the warp's lanes over its values): a
+    // scalar decay's pass from the tiles it keeps; else dS' comes over S, kd over w.
+    const auto add_end_term = [&](int r, const float4& s, const float4& d) {
       float x = s.x * d.x + s.y * d.y + s.z * d.z + s.w * d.w;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);  // the warp's row
       if ((threadIdx.x & 31) == 0) blk.end()[r] += x * __expf(blk.G_end(r));
-    });
+    };
     if constexpr (kScalar) {
-      for (int i = tid; i < kChunk * kHeadDim / 2; i += kThreads) {
-        const int t = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
-        const float2 k2 = Xk.get2(t, c);
-        const float decay = __expf(blk.G_end(c) - blk.G(t, c));
-        kd.store2(t, c, k2.x * decay, k2.y * decay);
+      const int c = (tid & 31) * 4;
+      for (int r = tid >> 5; r < kHeadDim; r += kWarps) {
+        const auto at = [&](const StateTile& x) {
+          return Block::unpack4(*reinterpret_cast<const uint2*>(x.p + r * StateTile::kStride + c));
+        };
+        add_end_term(r, at(St), at(dSt));
       }
     } else {
+      __syncthreads();
+      blk.fill_state(St, p.dstates, p.states, [&](int r, int, const float4& d, const float4& s) { add_end_term(r, s, d); });
       blk.fill(kd, p.k, [&](int t, int c, float x) { return x * __expf(blk.G_end(c) - blk.G(t, c)); });
     }
     __syncthreads();
@@ -1017,26 +1030,34 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     {
       ChunkAcc dU;  // Mᵀ dO + kd dS'
       dU.zero();
-      dU.mma<true, true>(Mt, dOt, 0, kChunk);
-      dU.mma<false, true>(kd, St, 0, kHeadDim);
+      if constexpr (kScalar) {  // kd dS' = diag(e^{Γ_C−Γ}) (k̂ dS'), then Mᵀ dO
+        dU.mma<false, true>(Xk, dSt, 0, kHeadDim);
+        ChunkAcc::for_each([&](int mi, int ni, int e, int t, int) { dU.c[mi][ni][e] *= __expf(blk.G_end(0) - blk.G(t, 0)); });
+        dU.mma<true, true>(Mt, dOt, 0, kChunk);
+      } else {
+        dU.mma<true, true>(Mt, dOt, 0, kChunk);
+        dU.mma<false, true>(kd, St, 0, kHeadDim);
+      }
       dU.store(dUt, [](int, int, float x) { return x; });
       ChunkAcc dkd;  // of kd: U dS'ᵀ
       dkd.zero();
-      dkd.mma<false, false>(Ut, St, 0, kHeadDim);
+      dkd.mma<false, false>(Ut, kScalar ? dSt : St, 0, kHeadDim);
       add_kd_grad(blk, dkd, dk, dG, k_of);
       dM.zero();
       dM.mma<false, false>(dOt, Ut, 0, kHeadDim);
     }
     __syncthreads();
-    blk.copy_state_async(St, p.states);
+    if constexpr (!kScalar) blk.copy_state_async(St, p.states);  // S again (a scalar decay's pass kept it)
     // dM over M (a scalar decay: dM ⊙ e^{Γi−Γj}, what the Gram gradients read)
     if constexpr (kScalar)
       dM.store(Mt, [&](int i, int j, float x) { return j <= i ? x * blk.scalar_decay(i, j) : 0.f; });
     else
       dM.store(Mt, [](int i, int j, float x) { return j <= i ? x : 0.f; });
-    cute::cp_async_wait<0>();
-    __syncthreads();
-    const ChunkTile dwt = blk.slot(3);  // over U
+    if constexpr (!kScalar) {
+      cute::cp_async_wait<0>();
+      __syncthreads();
+    }
+    const ChunkTile dwt = blk.slot(kScalar ? 0 : 3);  // over dS' or U
     {
       ChunkAcc dw;  // −dU Sᵀ
       dw.zero();
@@ -1052,12 +1073,18 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     __syncthreads();
     const SquareTile X1 = blk.template tile<SquareTile>(SmemLayout::slot(4));  // over S
     const SquareTile Y1 = blk.template tile<SquareTile>(SmemLayout::slot(5));
-    const SquareTile dZA = blk.template tile<SquareTile>(SmemLayout::slot(7));  // over dU
+    const SquareTile dZA = blk.template tile<SquareTile>(SmemLayout::slot(7));  // over dU or U
     {
       SquareAcc dT;  // dU vᵀ + dw kgᵀ; T = L diag(β): dβ_j += Σ_i dT_ij L_ij, and dL = dT diag(β)
       dT.zero();
-      dT.mma<false, false>(dUt, vt, 0, kHeadDim);
-      dT.mma<false, false>(dwt, kg, 0, kHeadDim);
+      if constexpr (kScalar) {  // dw kgᵀ = (dw k̂ᵀ) diag(e^Γ), then dU vᵀ
+        dT.mma<false, false>(dwt, Xk, 0, kHeadDim);
+        SquareAcc::for_each([&](int mi, int ni, int e, int, int j) { dT.c[mi][ni][e] *= __expf(blk.G(j, 0)); });
+        dT.mma<false, false>(dUt, vt, 0, kHeadDim);
+      } else {
+        dT.mma<false, false>(dUt, vt, 0, kHeadDim);
+        dT.mma<false, false>(dwt, kg, 0, kHeadDim);
+      }
       add_dbeta_of_T(blk, dT, Lt);
       dT.store(X1, [&](int, int j, float x) { return x * blk.beta()[j]; });
       ChunkAcc dkg;  // Tᵀ dw
