@@ -596,7 +596,9 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
     are the backward's own buffers, read no more after it) over those inputs where it can (the
     whole pass, every token in a chunk). ``raw_qk`` ``(dtype, rnorm)`` (the whole pass, one value
     head per key head): dq and dk come back as the raw q's and k's gradients in ``dtype``, through the
-    scale and the l2 norm (``rnorm`` ``[B, T, HV, 2]``: chunk_bwd_inputs' 1 / norms of the rows).
+    scale and the l2 norm (``rnorm`` ``[B, T, HV, 2]``: chunk_bwd_inputs' 1 / norms of the rows); with
+    it, a scalar gate's ``qp, kp`` may be the raw bf16 / fp16 q and k themselves (``rnorm`` None),
+    which the pass normalises as chunk_bwd_inputs would.
     Nothing is read back to the host (the chunk layout is built on the device)."""
     B, T, HV, K = qp.shape
     V = v.shape[-1]
@@ -607,7 +609,10 @@ def _kernel_backward(opts: ChunkOptions, qp, kp, v, gp, bp, S0, dS, do, boundary
         return x.reshape(rows, HV, *x.shape[3:]).to(f32).contiguous()
 
     # A scalar gate stays [rows, HV]: the kernel reads it for every key channel and sums its gradient.
-    q32, k32, g32, b32 = flat(qp), flat(kp), flat(gp), flat(bp)
+    # The raw q and k (16-bit) go in as they are.
+    raw_in = qp.dtype != f32
+    q32, k32 = (x.reshape(rows, HV, K).contiguous() if raw_in else flat(x) for x in (qp, kp))
+    g32, b32 = flat(gp), flat(bp)
     # v and dO in their own dtype: the kernel takes them as bf16 operands (others rounded by the op).
     v16 = v.reshape(rows, HV, V).contiguous()
     dO = v16.new_zeros(rows, HV, V) if do is None else do.reshape(rows, HV, V).contiguous()
@@ -865,8 +870,14 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
             boundary_states = _chunked_boundary_states(opts, flags, q, k, v, g, beta, gate_A, gate_dt, S0, dS, do,
                                                        records)
         if boundary_states is not None:
+            # The kernel path serves: a scalar gate's gradients pass with no group to sum takes the
+            # raw q and k and normalises them itself, so this pass computes only ĝ and β̂.
+            raw_in = (g.dim() == 3 and group == 1 and q.dtype in (torch.bfloat16, torch.float16)
+                      and not _ext.chunk_bwd_in_value_halves(q.device.index))
             boundary, (qp, kp, gp, bp, rnorm) = _beside(q.device, lambda: boundary_states(entries),
-                                                        lambda: _ext.chunk_bwd_inputs_op(*raw, *flags))
+                                                        lambda: _ext.chunk_bwd_inputs_op(*raw, *flags, not raw_in))
+            if raw_in:
+                qp, kp, rnorm = raw[0], raw[1], None
         else:
             qp, kp, gp, bp, rnorm = _ext.chunk_bwd_inputs_op(*raw, *flags)
     else:
@@ -895,6 +906,8 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     raw_qk = None
     if why is None and tokens and group == 1 and not _ext.chunk_bwd_in_value_halves(q.device.index):
         raw_qk = (q.dtype, rnorm if opts.use_qk_l2norm_in_kernel else None)
+    elif qp.dtype != f32:  # the raw q and k kept for a gradients pass that then did not serve
+        qp, kp, _, _, rnorm = _ext.chunk_bwd_inputs_op(*raw, *flags)
     if why is None:
         # The per-token kernel's outputs are this backward's own: the gradients pass writes over them.
         dq, dk, dv, dgp, dbp, dS0 = _kernel_backward(opts, qp, kp, v, gp, bp, S0, dS, do, boundary, owned=tokens,

@@ -217,7 +217,8 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
     them the backward runs the forward kernels again (kernel names counted by the profiler); the
     gradients agree (V-first states, varlen with a one-token sequence). The GDN gate (precomputed,
     unbounded) is checked against the kernels' span by the forward, so the backward reads nothing
-    back."""
+    back; with the records, GDN's gradients pass takes the raw q and k (the per-token pass computes
+    no q̂ or k̂), without them chunk_bwd_inputs' q̂ and k̂."""
     import flashkda.api
 
     kw = make_inputs(H=4, D=128, gdn=gdn, gate="precomputed" if gdn else "lower_bound", lens=[100, 1, 37],
@@ -231,14 +232,24 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
 
     import flashkda.autograd as ag
 
+    inputs_op, qk_asked = _ext.chunk_bwd_inputs_op, []
+
+    def spy(*args):  # chunk_bwd_inputs' optional last argument: whether it computes q̂ and k̂
+        qk_asked.append(bool(args[13]) if len(args) > 13 else True)
+        return inputs_op(*args)
+
+    monkeypatch.setattr(_ext, "chunk_bwd_inputs_op", spy)
+
     spans_within = ag._spans_within  # the backward reads nothing back: the gate is bounded or checked ahead
     monkeypatch.setattr(ag, "_spans_within", lambda *a: pytest.fail("the backward read the gate check back"))
     kept, prepares, walks = traced()
     assert (prepares, walks) == (1, 1), f"chunk_prepare ran {prepares} times, chunk_state_grad {walks}"
+    assert qk_asked == [not gdn], f"chunk_bwd_inputs asked for q̂ and k̂: {qk_asked}"
     monkeypatch.setattr(ag, "_spans_within", spans_within)
     monkeypatch.setattr(flashkda.api, "forward_records", lambda *a: None)
     again, prepares, walks = traced()
     assert (prepares, walks) == (2, 1), f"without records: chunk_prepare ran {prepares} times"
+    assert qk_asked[1:] == [True], f"without records, chunk_bwd_inputs asked for q̂ and k̂: {qk_asked[1:]}"
     for name, a, b in zip(NAMES, kept, again):
         if b is not None:  # the same kernels on the same states (atomics make the sums' last bits vary)
             assert rel_err(a, b) <= 1e-3 and torch.isfinite(a).all(), f"d{name}: {rel_err(a, b):.2e}"

@@ -104,8 +104,13 @@ def _ref_options(scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_
                            False, None, None)
 
 
-def token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags):
-    """What ``torch.ops.flashkda.chunk_bwd_inputs`` computes (chunk_bwd_params.h), in fp32."""
+def token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags_qk):
+    """What ``torch.ops.flashkda.chunk_bwd_inputs`` computes (chunk_bwd_params.h), in fp32: the six
+    flags, then ``qk`` (default True; False: q̂, k̂ and the 1 / norms empty)."""
+    flags, qk = flags_qk[:6], (flags_qk[6] if len(flags_qk) > 6 else True)
+    if not qk:
+        out = token_inputs_reference(q, k, v, g, beta, A_log, dt_bias, *flags)
+        return [out[0].new_empty(0), out[1].new_empty(0), out[2], out[3], out[4].new_empty(0)]
     o = _ref_options(*flags)
     qp, kp, gp, bp = preprocess(q, k, g, beta, scale=o.scale, use_qk_l2norm_in_kernel=o.use_qk_l2norm_in_kernel,
                                 use_gate_in_kernel=o.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
@@ -428,6 +433,10 @@ def test_token_passes_match_reference(case):
     for name, a, b in zip(names, got, want):
         assert a.shape == b.shape and a.dtype == torch.float32, name
         assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+    # Without q̂ and k̂ (a gradients pass that takes the raw q and k): ĝ and β̂ alone, the same.
+    part = _ext.chunk_bwd_inputs_op(*raw, *flags, False)
+    assert part[0].numel() == 0 and part[1].numel() == 0 and part[4].numel() == 0
+    assert torch.equal(part[2], got[2]) and torch.equal(part[3], got[3])
     dhat = [rnd(B, T, HV, K), rnd(B, T, HV, K), rnd(B, T, HV) if scalar else rnd(B, T, HV, K), rnd(B, T, HV)]
     want = token_grads_reference(*raw, *dhat, *flags)
     _ext.chunk_bwd_input_grads_op(*raw, *(-x for x in dhat), *flags)
@@ -442,6 +451,53 @@ def test_token_passes_match_reference(case):
     assert rest[0].numel() == 0 and rest[1].numel() == 0
     for name, a, b in zip(["dg", "dbeta", "dA_log", "ddt_bias"], rest[2:], got[2:]):
         assert torch.equal(a, b), name
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "plain"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gradients_pass_takes_the_raw_qk(dtype, l2norm):
+    """A scalar gate's gradients pass on the raw 16-bit q and k, which it takes through the l2 norm
+    and the scale itself, writes what it writes on chunk_bwd_inputs' fp32 q̂, k̂ and 1 / norms: the
+    same rows, sums and roundings, so dq, dk and dv to the bit (dg and dβ up to the order of their
+    shared-memory sums); varlen chunks of 1, 17, 0, 97 and 130 tokens."""
+    index = torch.cuda.current_device()
+    if _ext.chunk_bwd_shortfall(index) is not None or _ext.chunk_bwd_in_value_halves(index):
+        pytest.skip("the whole gradients pass does not run on this GPU")
+    gen = torch.Generator().manual_seed(3)
+    lens, H, K = [1, 17, 0, 97, 130], 3, 128
+    T, rows = sum(lens), sum(lens)
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to("cuda", dtype)
+
+    q, k, v = (rnd(1, T, H, K, dtype=dtype) for _ in range(3))
+    g = -0.2 * rnd(1, T, H).abs()
+    beta = torch.rand(1, T, H, generator=gen).cuda()
+    flags = (K ** -0.5, C.GATE_PRECOMPUTED, 0.0, l2norm, False, False)
+    raw = (q, k, v, g, beta, None, None)
+    qp, kp, gp, bp, rnorm = _ext.chunk_bwd_inputs_op(*raw, *flags)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    bos, length, _, _, _, chunks = ag._kernel_chunks(1, T, cu, q.device)
+    S = rnd(chunks, H, K, K, dtype=torch.bfloat16, scale=0.3)
+    dS = rnd(chunks, H, K, K, dtype=torch.bfloat16)
+    dO = rnd(rows, H, K, dtype=torch.bfloat16)
+    rest = (v.view(rows, H, K), gp.view(rows, H), bp.view(rows, H), dO, bos, length, 1, S, dS, False, False)
+    want = _ext.chunk_local_grad_op(qp.view(rows, H, K), kp.view(rows, H, K), *rest, rnorm.view(rows, H, 2),
+                                    K ** -0.5, l2norm, dtype)
+    for poison in (-1.0, 1.0):  # the raw path twice, on other values first: stale memory cannot pass
+        got = _ext.chunk_local_grad_op(poison * q.view(rows, H, K), poison * k.view(rows, H, K), *rest, None,
+                                       K ** -0.5, l2norm, dtype)
+    for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.isfinite(a).all(), name
+        if name in ("dg", "dbeta"):
+            assert rel_err(a, b) <= 1e-5, f"{name}: {rel_err(a, b):.2e}"
+        else:
+            assert torch.equal(a, b), f"{name}: {rel_err(a, b):.2e}"
+    with pytest.raises(RuntimeError, match="raw inputs"):  # the raw q and k without qk_dtype
+        _ext.chunk_local_grad_op(q.view(rows, H, K), k.view(rows, H, K), *rest)
 
 
 # chunk_state_grad's cases: make_inputs arguments.

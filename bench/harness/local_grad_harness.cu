@@ -5,7 +5,9 @@
 // every block adds the clock cycles of each phase to g_phase_cycles. argv[3]: the gate, `channel`
 // (KDA's log decay per key channel, the default) or `scalar` (GDN's one per token and head), with
 // `-raw` (e.g. `scalar-raw`) the raw q's and k's gradients written in bf16 through the scale and the
-// l2 norm (ChunkBwdParams::dq_raw; 1 / norms in [0.5, 1.5]) instead of fp32 dq̂ and dk̂.
+// l2 norm (ChunkBwdParams::dq_raw; 1 / norms in [0.5, 1.5]) instead of fp32 dq̂ and dk̂; with
+// `-rawin` (`scalar-rawin`) also from the raw bf16 q and k (ChunkBwdParams::raw_q, N(0, 1) entries),
+// which the pass normalises itself.
 // argv[4], a path (not with `-raw`): dq, dk, dv, dg and dβ (fp32, in that order) are written there
 // after the timing, for compare_outputs.py.
 //   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
@@ -34,6 +36,7 @@ int main(int argc, char** argv) {
   const int T = argc > 1 ? std::atoi(argv[1]) : 8192, HV = argc > 2 ? std::atoi(argv[2]) : 32;
   const bool scalar_gate = argc > 3 && std::strncmp(argv[3], "scalar", 6) == 0;
   const bool raw_qk = argc > 3 && std::strstr(argv[3], "-raw") != nullptr;
+  const bool raw_in = argc > 3 && std::strstr(argv[3], "-rawin") != nullptr;
   constexpr int D = flashkda::chunk::kHeadDim, C = flashkda::chunk::kChunk;
   const int chunks = (T + C - 1) / C;
   const size_t n_tok = size_t(T) * HV * D, n_state = size_t(chunks) * HV * D * D;
@@ -81,6 +84,15 @@ int main(int argc, char** argv) {
     p.dq_raw = dq, p.dk_raw = dk, p.qk_dtype = flashkda::DType::kBFloat16;
     p.qk_rnorm = rnorm, p.scale = 1.f / std::sqrt(float(D)), p.l2norm = true;
   }
+  if (raw_in) {  // the raw bf16 q and k in place of q̂ and k̂
+    __nv_bfloat16 *raw_q, *raw_k;
+    CHECK(cudaMalloc(&raw_q, n_tok * 2));
+    CHECK(cudaMalloc(&raw_k, n_tok * 2));
+    fill_normal_bf16<<<1024, 256>>>(raw_q, n_tok, 9, 1.f);
+    fill_normal_bf16<<<1024, 256>>>(raw_k, n_tok, 10, 1.f);
+    p.q = p.k = nullptr;
+    p.raw_q = raw_q, p.raw_k = raw_k;
+  }
   cudaError_t launch_err = cudaSuccess;
   using flashkda::chunk_bwd::Pass;
   const float med = median_ms([&] {
@@ -89,7 +101,7 @@ int main(int argc, char** argv) {
   }, 10);
   CHECK(launch_err);
   CHECK(cudaDeviceSynchronize());
-  std::printf("chunk_local_grad gradients, %s gate%s, T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", scalar_gate ? "scalar" : "channel", raw_qk ? ", raw q/k gradients" : "", T, HV, med,
+  std::printf("chunk_local_grad gradients, %s gate%s, T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", scalar_gate ? "scalar" : "channel", raw_in ? ", raw q/k in and gradients" : raw_qk ? ", raw q/k gradients" : "", T, HV, med,
               1e3 * med / ((double(chunks) * HV + 131) / 132));
   if (argc > 4 && !raw_qk) {
     FILE* f = std::fopen(argv[4], "wb");

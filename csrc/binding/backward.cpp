@@ -46,6 +46,9 @@ void check_tokens(const at::Tensor& t, const at::Tensor& q, const char* name, bo
 // `qk_dtype` (gradients pass, the whole pass, HV == H: no group to sum): dq and dk are those of the
 // raw q and k, back through `scale` and, with `l2norm`, the l2 norm whose rows' 1 / norms
 // `qk_rnorm` [rows, HV, 2] holds (chunk_bwd_inputs), in qk_dtype; q and k are then not written.
+// With qk_dtype, a scalar gate's q and k may also be the raw inputs themselves ([rows, HV, 128] in
+// qk_dtype, bfloat16 or float16, instead of fp32 q̂ and k̂): the pass takes them through the l2 norm
+// and the scale as chunk_bwd_inputs does, and qk_rnorm is not needed.
 std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta, const at::Tensor& dO,
                                          const at::Tensor& chunk_bos, const at::Tensor& chunk_len, int64_t pass,
@@ -54,8 +57,13 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
                                          bool overwrite_inputs, const std::optional<at::Tensor>& qk_rnorm, double scale,
                                          bool l2norm, std::optional<at::ScalarType> qk_dtype) {
   TORCH_CHECK(q.is_cuda(), "flashkda: q must be a CUDA tensor");
-  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}}) check_tokens(*t, q, name, true);
+  const bool raw_in = q.scalar_type() != at::kFloat;  // the raw q and k (see above)
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}}) check_tokens(*t, q, name, true, raw_in);
   const bool scalar_gate = g.dim() == 2;  // [rows, HV]: one log decay for every key channel
+  TORCH_CHECK(!raw_in || (pass == 1 && scalar_gate && qk_dtype.has_value() && q.scalar_type() == *qk_dtype &&
+                          k.scalar_type() == *qk_dtype && (*qk_dtype == at::kBFloat16 || *qk_dtype == at::kHalf)),
+              "flashkda: q and k other than float32 (the raw inputs) need the gradients pass of a scalar gate and "
+              "qk_dtype of their dtype, bfloat16 or float16");
   check_tokens(g, q, "g", !scalar_gate);
   // The transitions pass reads a gate per key channel: a scalar one is spread over them here.
   const at::Tensor g_read =
@@ -75,8 +83,13 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
   const int64_t chunks = chunk_bos.size(0), HV = q.size(1), D = chunk::kHeadDim;
   const auto f32 = q.options();
   ChunkBwdParams p{};
-  p.q = q.data_ptr<float>();
-  p.k = k.data_ptr<float>();
+  if (raw_in) {
+    p.raw_q = q.data_ptr();
+    p.raw_k = k.data_ptr();
+  } else {
+    p.q = q.data_ptr<float>();
+    p.k = k.data_ptr<float>();
+  }
   p.v = reinterpret_cast<const __nv_bfloat16*>(v16.data_ptr());
   p.g = g_read.data_ptr<float>();
   p.beta = beta.data_ptr<float>();
@@ -126,7 +139,7 @@ std::vector<at::Tensor> chunk_local_grad(const at::Tensor& q, const at::Tensor& 
     TORCH_CHECK(!raw_qk || !split, "flashkda: qk_dtype needs the whole gradients pass (not the value halves)");
     TORCH_CHECK(!raw_qk || *qk_dtype == at::kFloat || *qk_dtype == at::kBFloat16 || *qk_dtype == at::kHalf,
                 "flashkda: qk_dtype must be float32, bfloat16 or float16");
-    if (raw_qk && l2norm) {
+    if (raw_qk && l2norm && !raw_in) {
       TORCH_CHECK(qk_rnorm.has_value(), "flashkda: qk_dtype with l2norm needs qk_rnorm");
       check_cuda(*qk_rnorm, q, "qk_rnorm");
       TORCH_CHECK(qk_rnorm->scalar_type() == at::kFloat && qk_rnorm->is_contiguous() &&
@@ -321,24 +334,31 @@ ChunkBwdTokenParams token_params(const at::Tensor& q, const at::Tensor& k, const
 // The preprocessed inputs of the per-chunk passes: [q̂, k̂, ĝ, β̂, r], fp32, q̂ k̂ ĝ [B, T, HV, 128]
 // (q̂ and k̂ per value head; ĝ of every key channel, or of a scalar gate [B, T, HV]), β̂ [B, T, HV],
 // and with l2norm the 1 / norms of q's and k's rows per value head, r [B, T, HV, 2] (without it, r
-// is not written) (chunk_bwd_params.h, ChunkBwdTokenParams).
+// is not written) (chunk_bwd_params.h, ChunkBwdTokenParams). Without `qk` (the gradients pass takes
+// the raw q and k), q̂, k̂ and r are empty [0] tensors and only ĝ and β̂ are computed.
 std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,
                                          const std::optional<at::Tensor>& dt_bias, double scale, int64_t gate_mode,
-                                         double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) {
+                                         double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval,
+                                         bool qk) {
   ChunkBwdTokenParams p =
       token_params(q, k, v, g, beta, A_log, dt_bias, scale, gate_mode, lower_bound, l2norm, beta_sigmoid, allow_neg_eigval);
   const auto f32 = q.options().dtype(at::kFloat);
   const int64_t B = q.size(0), T = q.size(1), HV = v.size(2), D = chunk::kHeadDim;
-  std::vector<at::Tensor> out{at::empty({B, T, HV, D}, f32), at::empty({B, T, HV, D}, f32),
+  const auto qk_sized = [&](std::initializer_list<int64_t> shape) {
+    return qk ? at::empty(shape, f32) : at::empty({0}, f32);
+  };
+  std::vector<at::Tensor> out{qk_sized({B, T, HV, D}), qk_sized({B, T, HV, D}),
                               p.tok.scalar_gate ? at::empty({B, T, HV}, f32) : at::empty({B, T, HV, D}, f32),
-                              at::empty({B, T, HV}, f32), at::empty({B, T, HV, 2}, f32)};
-  p.q_hat = out[0].data_ptr<float>();
-  p.k_hat = out[1].data_ptr<float>();
+                              at::empty({B, T, HV}, f32), qk_sized({B, T, HV, 2})};
+  if (qk) {
+    p.q_hat = out[0].data_ptr<float>();
+    p.k_hat = out[1].data_ptr<float>();
+    p.qk_rnorm = out[4].data_ptr<float>();
+  }
   p.g_hat = out[2].data_ptr<float>();
   p.beta_hat = out[3].data_ptr<float>();
-  p.qk_rnorm = out[4].data_ptr<float>();
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaError_t err = run_chunk_bwd_tokens(p, ChunkBwdTokenPass::kInputs, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "flashkda: chunk_bwd_inputs launch failed: ", cudaGetErrorString(err));

@@ -145,7 +145,8 @@ std::vector<at::Tensor> chunk_bwd_inputs(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& g, const at::Tensor& beta,
                                          const std::optional<at::Tensor>& A_log,
                                          const std::optional<at::Tensor>& dt_bias, double scale, int64_t gate_mode,
-                                         double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval);
+                                         double lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval,
+                                         bool qk);
 std::vector<at::Tensor> chunk_bwd_input_grads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                               const at::Tensor& g, const at::Tensor& beta,
                                               const std::optional<at::Tensor>& A_log,

@@ -42,8 +42,8 @@ TORCH_LIBRARY(flashkda, m) {
       "Tensor? records=None) -> Tensor");
   m.def(
       "chunk_bwd_inputs(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
-      "float scale, int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval) "
-      "-> Tensor[]");
+      "float scale, int gate_mode, float lower_bound, bool l2norm, bool beta_sigmoid, bool allow_neg_eigval, "
+      "bool qk=True) -> Tensor[]");
   m.def(
       "chunk_bwd_input_grads(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor? A_log, Tensor? dt_bias, "
       "Tensor? dq_hat, Tensor? dk_hat, Tensor dg_hat, Tensor dbeta_hat, float scale, int gate_mode, "

@@ -33,8 +33,8 @@ struct ChunkBwdParams {
   // Token tensors, contiguous, rows = B * T tokens, HV heads (q̂ and k̂ already repeated over the
   // heads of a group): the preprocessed ones fp32, v and dO bf16 (the products' operand type, which
   // is all the kernel makes of them). D = chunk::kHeadDim.
-  const float* q;              // [rows, HV, D] q̂ = scale · l2norm(q)
-  const float* k;              // [rows, HV, D] k̂
+  const float* q;              // [rows, HV, D] q̂ = scale · l2norm(q)  (nullptr with raw_q)
+  const float* k;              // [rows, HV, D] k̂                      (nullptr with raw_k)
   const __nv_bfloat16* v;      // [rows, HV, D]
   const float* g;              // [rows, HV, D] log decay of every token and key channel (≤ 0), or
                                // [rows, HV] for a scalar gate (the kernel's kScalarGate): one for all
@@ -76,6 +76,11 @@ struct ChunkBwdParams {
   const float* qk_rnorm;    // [rows, HV, 2] 1 / norm of each row of q and k (chunk_bwd_inputs), with l2norm
   float scale;              // q̂ = scale · l2norm(q)
   bool l2norm;
+  // With dq_raw, a scalar gate's whole pass, optional (nullptr: q and k hold q̂ and k̂): the raw q
+  // and k themselves, which the pass takes through the l2 norm and the scale as chunk_bwd_inputs
+  // does (the same lanes, sums and roundings, so the same q̂, k̂ and 1 / norms); qk_rnorm is not read.
+  const void* raw_q;        // [rows, HV, D] in qk_dtype (bfloat16 or float16)
+  const void* raw_k;        // [rows, HV, D] in qk_dtype
 };
 
 // The two scans over chunks (chunk_state_scan.cuh), on the transitions pass's maps, for N
@@ -113,7 +118,8 @@ struct ChunkBwdTokenParams {
   DType qk_dtype;  // of q and k
   int64_t rows;    // B * T
   // kInputs: outputs, fp32, [rows, HV, D] (β̂, and ĝ of a scalar gate: [rows, HV]); q̂ and k̂ per
-  // value head; with l2norm, the rows' 1 / norms (q's, k's) per value head.
+  // value head; with l2norm, the rows' 1 / norms (q's, k's) per value head. q_hat nullptr: q̂, k̂ and
+  // the 1 / norms are not written (the gradients pass takes the raw q and k: ChunkBwdParams::raw_q).
   float* q_hat;
   float* k_hat;
   float* g_hat;

@@ -87,7 +87,8 @@ __device__ __forceinline__ int64_t warp_first_row() {
   return (int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5)) * kTokensPerWarp;
 }
 
-// A warp per (kTokensPerWarp tokens, value head): q̂ and k̂ of the head's key head, ĝ and β̂.
+// A warp per (kTokensPerWarp tokens, value head): q̂ and k̂ of the head's key head (kQK), ĝ and β̂.
+template <bool kQK>
 __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkBwdTokenParams p) {
   const RecurrentParams& t = p.tok;
   const int lane = threadIdx.x & 31, c0 = lane * kPerLane, hv = blockIdx.y;
@@ -100,8 +101,10 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkB
   for (int i = 0; i < kTokensPerWarp; ++i) {
     const int64_t row = row0 + i;
     if (row >= p.rows) continue;
+    if constexpr (kQK) {
 #pragma unroll
-    for (int is_k = 0; is_k < 2; ++is_k) load_qk(p, is_k, row, h, c0, x[i][is_k]);
+      for (int is_k = 0; is_k < 2; ++is_k) load_qk(p, is_k, row, h, c0, x[i][is_k]);
+    }
     load_gate(p, row, hv, c0, raw[i]);
     beta_raw[i] = lane == 0 ? raw_beta(t, row, hv) : 0.f;
   }
@@ -112,18 +115,20 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkB
     const int64_t row = row0 + i;
     if (row >= p.rows) continue;
     const int64_t out = (row * t.HV + hv) * kHeadDim + c0;
+    if constexpr (kQK) {
 #pragma unroll
-    for (int is_k = 0; is_k < 2; ++is_k) {
-      float (&y)[4] = x[i][is_k];
-      float f = is_k ? 1.f : t.scale;
-      if (t.l2norm) {
-        const float r = rsqrtf(group_sum<32>(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) + kL2NormEps);
-        f *= r;
-        if (lane == 0) p.qk_rnorm[(row * t.HV + hv) * 2 + is_k] = r;
+      for (int is_k = 0; is_k < 2; ++is_k) {
+        float (&y)[4] = x[i][is_k];
+        float f = is_k ? 1.f : t.scale;
+        if (t.l2norm) {
+          const float r = rsqrtf(group_sum<32>(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) + kL2NormEps);
+          f *= r;
+          if (lane == 0) p.qk_rnorm[(row * t.HV + hv) * 2 + is_k] = r;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[e] *= f;
+        store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, y);
       }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) y[e] *= f;
-      store_floats<4>((is_k ? p.k_hat : p.q_hat) + out, y);
     }
     float decay[4];
     log_decays(t, raw[i], bias, a, decay);
@@ -312,7 +317,8 @@ cudaError_t run_chunk_bwd_tokens(const ChunkBwdTokenParams& p, ChunkBwdTokenPass
   constexpr int kRowsPerBlock = kWarps * kTokensPerWarp;
   const unsigned row_blocks = unsigned((p.rows + kRowsPerBlock - 1) / kRowsPerBlock);
   if (pass == ChunkBwdTokenPass::kInputs) {
-    chunk_bwd_inputs_kernel<<<dim3(row_blocks, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
+    const auto kernel = p.q_hat != nullptr ? chunk_bwd_inputs_kernel<true> : chunk_bwd_inputs_kernel<false>;
+    kernel<<<dim3(row_blocks, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
   } else {
     if (p.dq_hat != nullptr)  // (else the gradients pass wrote dq and dk)
       chunk_bwd_qk_grads_kernel<<<dim3(row_blocks, unsigned(p.tok.H)), kThreads, 0, stream>>>(p);

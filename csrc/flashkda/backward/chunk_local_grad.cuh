@@ -32,6 +32,7 @@
 
 #include "flashkda/backward/chunk_bwd_params.h"
 #include "flashkda/common/mma_sm80.cuh"
+#include "flashkda/common/token_math.cuh"
 #include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
@@ -196,8 +197,13 @@ struct SmemLayout {
   // the rest of that space for the whole pass, staged once.
   static constexpr int kScalarQ = kGamma + kChunk * 4;
   static constexpr int kScalarK = kScalarQ + ChunkTile::kBytes;
+  // With the raw q and k (ChunkBwdParams::raw_q): fp32 [2][kChunk] each, q's rows then k's, the
+  // factor f that takes a raw row to q̂ or k̂ and the 1 / norm r.
+  static constexpr int kScalarFactor = kScalarK + ChunkTile::kBytes;
+  static constexpr int kScalarRnorm = kScalarFactor + 2 * kChunk * 4;
 };
-static_assert(SmemLayout::kScalarK + ChunkTile::kBytes <= SmemLayout::kBeta, "a scalar decay's q̂, k̂ tiles fit over Γ");
+static_assert(SmemLayout::kScalarRnorm + 2 * kChunk * 4 <= SmemLayout::kBeta,
+              "a scalar decay's q̂, k̂ tiles and raw rows' factors fit over Γ");
 static_assert(StateTile::kBytes <= 2 * ChunkTile::kBytes, "a state tile takes two slots");
 static_assert(kChunk * kF32Stride * 4 <= ChunkTile::kBytes, "the fp32 L takes one slot");
 static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= ChunkTile::kBytes, "the solve's scratch takes one slot");
@@ -490,6 +496,40 @@ __device__ __forceinline__ void gamma_phase_scalar(const Blk& blk, float* total,
   if (tid < kChunk) blk.gamma()[tid] = tid < 32 ? x : x + total[0];
 }
 
+// A scalar decay's pass on the raw q and k (ChunkBwdParams::raw_q): the chunk's rows, staged in
+// raw_q / raw_k (qk_dtype in a ChunkTile's layout, zeros past the chunk's end), to q̂ = scale ·
+// l2norm(q) and k̂ = l2norm(k) as chunk_bwd_inputs computes them (a warp a row, four channels a
+// lane, the same sum and roundings), as bf16 into the Gram tiles Xq and Xk; each row's factor
+// (x̂ = f x) and 1 / norm into `factor` and `rnorm` ([2][kChunk] fp32, q's rows then k's).
+template <class Blk>
+__device__ __forceinline__ void normalise_raw_qk(const Blk& blk, const ChunkTile& raw_q, const ChunkTile& raw_k,
+                                                 const ChunkTile& Xq, const ChunkTile& Xk, float* factor,
+                                                 float* rnorm) {
+  const ChunkBwdParams& p = blk.p;
+  const int lane = threadIdx.x & 31, c = lane * 4;
+  static_assert(kHeadDim == 4 * 32, "four channels a lane");
+  for (int row = threadIdx.x >> 5; row < 2 * kChunk; row += kWarps) {
+    const int is_k = row / kChunk, t = row % kChunk;
+    float x[4];
+    load_any_vec<4>((is_k ? raw_k : raw_q).p + t * ChunkTile::kStride + c, p.qk_dtype, x);
+    float f = is_k ? 1.f : p.scale, r = 1.f;
+    if (p.l2norm) {
+      r = rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+      f *= r;
+    }
+    const ChunkTile& X = is_k ? Xk : Xq;
+    X.store2(t, c, x[0] * f, x[1] * f);
+    X.store2(t, c + 2, x[2] * f, x[3] * f);
+    if (lane == 0) factor[row] = f, rnorm[row] = r;
+  }
+}
+
+// Channels c, c + 1 (c even) of token t of a staged raw row tile (qk_dtype), times f.
+__device__ __forceinline__ float2 raw_pair(const ChunkTile& raw, DType type, int t, int c, float f) {
+  const uint32_t bits = *reinterpret_cast<const uint32_t*>(raw.p + t * ChunkTile::kStride + c);
+  return make_float2(bits_to_float(bits & 0xffffu, type) * f, bits_to_float(bits >> 16, type) * f);
+}
+
 // M (j <= i, bf16 into Mt, whose blocks above the diagonal the caller zeroed) and A (j < i, fp32
 // into blk.A()), 16 x 16 blocks on and below the diagonal: 2 x 10 warp tasks. A scalar decay
 // (Blk::kScalar): the operands are undecayed and each element takes e^{Γi−Γj} itself.
@@ -759,28 +799,28 @@ __device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, fl
 
 // dq and dk of the raw q and k (ChunkBwdParams::dq_raw) from the block's gradients dq̂, dk̂ of q̂ =
 // scale · y_q, k̂ = y_k (y the l2-normalised rows, r their 1 / norms): dx = r (dy − y (y · dy)) with
-// dy = scale · dq̂ for q (y · dy = q̂ · dq̂), dk̂ for k; without the l2 norm dx = dy. q_hat and k_hat:
-// the chunk's fp32 rows staged in shared memory; `dots` ([2][kChunk][kColWarps] fp32 scratch) takes
-// each column warp's share of the row sums. Ends with a barrier (q_hat, k_hat and dots free again).
-template <class Blk>
-__device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAcc& dq, const ChunkAcc& dk,
-                                                   const float* q_hat, const float* k_hat, float* dots) {
+// dy = scale · dq̂ for q (y · dy = q̂ · dq̂), dk̂ for k; without the l2 norm dx = dy. x_of(i, t, c):
+// channels c, c + 1 of token t's q̂ (i = 0) or k̂ (i = 1) in fp32 (zeros past the chunk's end);
+// rnorm_of(i, t): that row's 1 / norm (t < blk.len, with the l2 norm). `dots` ([2][kChunk][kColWarps]
+// fp32 scratch) takes each column warp's share of the row sums. Ends with a barrier (dots and what
+// x_of reads free again).
+template <class Blk, class XOf, class RnormOf>
+__device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAcc& dq, const ChunkAcc& dk, XOf&& x_of,
+                                                   RnormOf&& rnorm_of, float* dots) {
   const ChunkBwdParams& p = blk.p;
   const int lane = threadIdx.x & 31, col_warp = (threadIdx.x >> 5) / kRowWarps;
-  const auto x_at = [](const float* x, int t, int c) { return *reinterpret_cast<const float2*>(x + t * kHeadDim + c); };
   static_assert(ChunkAcc::MI == 1, "a thread's rows: lane / 4 and lane / 4 + 8 of its warp's sixteen");
   const auto row_of = [&](int h) { return ChunkAcc::m0() + sm80::FragAcc::m(lane, 2 * h); };
-  // The 1 / norms of the thread's two rows, loaded first (in flight during the row sums).
+  // The 1 / norms of the thread's two rows, read first (loads in flight during the row sums).
   float r[2][2];  // [q, k][row lane / 4, lane / 4 + 8]
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-      r[i][h] = p.l2norm && row_of(h) < blk.len ? __ldg(p.qk_rnorm + blk.head_at(row_of(h)) * 2 + i) : 1.f;
+    for (int i = 0; i < 2; ++i) r[i][h] = p.l2norm && row_of(h) < blk.len ? rnorm_of(i, row_of(h)) : 1.f;
   if (p.l2norm) {
     float part[2][2] = {};  // [q, k][row lane / 4, lane / 4 + 8]
     ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-      const float2 xq = x_at(q_hat, t, c), xk = x_at(k_hat, t, c);
+      const float2 xq = x_of(0, t, c), xk = x_of(1, t, c);
       part[0][h] += dq.c[mi][ni][2 * h] * xq.x + dq.c[mi][ni][2 * h + 1] * xq.y;
       part[1][h] += dk.c[mi][ni][2 * h] * xk.x + dk.c[mi][ni][2 * h + 1] * xk.y;
     });
@@ -818,7 +858,7 @@ __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAc
       out[i][0] = f * d.c[mi][ni][2 * h];
       out[i][1] = f * d.c[mi][ni][2 * h + 1];
       if (p.l2norm) {
-        const float2 x = x_at(i ? k_hat : q_hat, t, c);  // f · y (zero past the chunk's end)
+        const float2 x = x_of(i, t, c);  // f · y (zero past the chunk's end)
         out[i][0] = r[i][h] * (out[i][0] - x.x * take[i][h]);
         out[i][1] = r[i][h] * (out[i][1] - x.y * take[i][h]);
       }
@@ -846,8 +886,16 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   const SquareTile Mt = blk.template tile<SquareTile>(SmemLayout::kM);
   const SquareTile Tt = blk.template tile<SquareTile>(SmemLayout::kT);
   const SquareTile Lt = blk.template tile<SquareTile>(SmemLayout::kL);
-  // q̂ and k̂, fp32, into the free slots 3-6, in flight while Γ is summed.
+  // q̂ and k̂, fp32, into the free slots 3-6, in flight while Γ is summed; or a scalar decay's raw q
+  // and k (ChunkBwdParams::raw_q, 16-bit) into slots 3 and 5.
+  const bool raw_in = kScalar && p.raw_q != nullptr;
+  const ChunkTile raw_q = blk.slot(3), raw_k = blk.slot(5);
   auto stage_qk = [&] {
+    if (raw_in) {
+      blk.copy_rows_async(raw_q, static_cast<const Bf16*>(p.raw_q));  // 16-bit rows: the bytes as they are
+      blk.copy_rows_async(raw_k, static_cast<const Bf16*>(p.raw_k));
+      return;
+    }
     blk.copy_rows_async(smem + SmemLayout::slot(3), kHeadDim * 4, p.q);
     blk.copy_rows_async(smem + SmemLayout::slot(5), kHeadDim * 4, p.k);
   };
@@ -878,7 +926,18 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   const auto k_of = [&](int t, int c) { return kScalar ? Xk.get2(t, c) : blk.load2(p.k, t, c); };
   const float* q_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(3));  // slots 3-4
   const float* k_staged = reinterpret_cast<const float*>(smem + SmemLayout::slot(5));  // slots 5-6
+  float* raw_factor = reinterpret_cast<float*>(smem + SmemLayout::kScalarFactor);  // raw_in only
+  float* raw_rnorm = reinterpret_cast<float*>(smem + SmemLayout::kScalarRnorm);
+  // fp32 q̂ (i = 0) or k̂ (i = 1), channels c, c + 1 of token t, from what stage_qk staged.
+  const auto staged_pair = [&](int i, int t, int c) {
+    if (raw_in) return raw_pair(i ? raw_k : raw_q, p.qk_dtype, t, c, raw_factor[i * kChunk + t]);
+    return *reinterpret_cast<const float2*>((i ? k_staged : q_staged) + t * kHeadDim + c);
+  };
   auto build_gram_operands = [&] {
+    if (raw_in) {
+      normalise_raw_qk(blk, raw_q, raw_k, Xq, Xk, raw_factor, raw_rnorm);
+      return;
+    }
     constexpr int kPerRow = kHeadDim / 4;
 #pragma unroll 2
     for (int i = tid; i < kChunk * kPerRow; i += kThreads) {
@@ -927,7 +986,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   // k̂ e^Γ from the k̂ still staged (over Xq: the solve above ended with a barrier), and v.
   for (int i = tid; i < kChunk * kHeadDim / 2; i += kThreads) {
     const int t = i / (kHeadDim / 2), c = (i % (kHeadDim / 2)) * 2;
-    const float2 k2 = *reinterpret_cast<const float2*>(k_staged + t * kHeadDim + c), g2 = blk.G2(t, c);
+    const float2 k2 = staged_pair(1, t, c), g2 = blk.G2(t, c);
     kg.store2(t, c, k2.x * __expf(g2.x), k2.y * __expf(g2.y));
   }
   cute::cp_async_wait<0>();
@@ -1120,15 +1179,18 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       build_gram_operands();  // over k̂ e^Γ, v and kd
       __syncthreads();
     } else if (raw_grads) {
-      stage_qk();  // fp32 q̂ and k̂ for the l2 norm's gradient, in flight during the Gram gradients
+      stage_qk();  // q̂ and k̂ (or the raw rows) for the l2 norm's gradient, in flight during the Gram gradients
     }
     add_gram_grads(blk, dq, dk, dG, Mt, dZA, Xq, Xk, Yk);  // dM over M
-    if (raw_grads) {  // through the scale and the l2 norm, from the staged fp32 q̂ and k̂ (slots 3-6)
+    if (raw_grads) {  // through the scale and the l2 norm, from the staged q̂ and k̂ (slots 3-6)
       if constexpr (kScalar) {
         cute::cp_async_wait<0>();
         __syncthreads();
       }
-      write_raw_qk_grads(blk, dq, dk, q_staged, k_staged, A);  // the row sums over A (read no more)
+      const auto rnorm_of = [&](int i, int t) {
+        return raw_in ? raw_rnorm[i * kChunk + t] : __ldg(p.qk_rnorm + blk.head_at(t) * 2 + i);
+      };
+      write_raw_qk_grads(blk, dq, dk, staged_pair, rnorm_of, A);  // the row sums over A (read no more)
     } else {
       ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
         blk.store2(p.dq, DType::kFloat32, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
