@@ -472,7 +472,9 @@ def test_gradients_pass_takes_the_raw_qk(dtype, l2norm):
     def rnd(*shape, dtype=torch.float32, scale=1.0):
         return (scale * torch.randn(*shape, generator=gen)).to("cuda", dtype)
 
-    q, k, v = (rnd(1, T, H, K, dtype=dtype) for _ in range(3))
+    # rows of about unit norm: without the l2 norm, N(0, 1) rows (norm 11) overflow fp16's gradients
+    q, k = (rnd(1, T, H, K, dtype=dtype, scale=K ** -0.5) for _ in range(2))
+    v = rnd(1, T, H, K, dtype=dtype)
     g = -0.2 * rnd(1, T, H).abs()
     beta = torch.rand(1, T, H, generator=gen).cuda()
     flags = (K ** -0.5, C.GATE_PRECOMPUTED, 0.0, l2norm, False, False)

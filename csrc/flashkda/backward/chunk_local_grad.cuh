@@ -498,28 +498,42 @@ __device__ __forceinline__ void gamma_phase_scalar(const Blk& blk, float* total,
 
 // A scalar decay's pass on the raw q and k (ChunkBwdParams::raw_q): the chunk's rows, staged in
 // raw_q / raw_k (qk_dtype in a ChunkTile's layout, zeros past the chunk's end), to q̂ = scale ·
-// l2norm(q) and k̂ = l2norm(k) as chunk_bwd_inputs computes them (a warp a row, four channels a
-// lane, the same sum and roundings), as bf16 into the Gram tiles Xq and Xk; each row's factor
-// (x̂ = f x) and 1 / norm into `factor` and `rnorm` ([2][kChunk] fp32, q's rows then k's).
+// l2norm(q) and k̂ = l2norm(k) as chunk_bwd_inputs computes them (four channels a lane, a row's
+// sum over the warp in group_sum's order: the same values), as bf16 into the Gram tiles Xq and Xk;
+// each row's factor (x̂ = f x) and 1 / norm into `factor` and `rnorm` ([2][kChunk] fp32, q's rows
+// then k's).
 template <class Blk>
 __device__ __forceinline__ void normalise_raw_qk(const Blk& blk, const ChunkTile& raw_q, const ChunkTile& raw_k,
                                                  const ChunkTile& Xq, const ChunkTile& Xk, float* factor,
                                                  float* rnorm) {
   const ChunkBwdParams& p = blk.p;
-  const int lane = threadIdx.x & 31, c = lane * 4;
+  const int lane = threadIdx.x & 31, c = lane * 4, warp = threadIdx.x >> 5;
   static_assert(kHeadDim == 4 * 32, "four channels a lane");
-  for (int row = threadIdx.x >> 5; row < 2 * kChunk; row += kWarps) {
-    const int is_k = row / kChunk, t = row % kChunk;
-    float x[4];
-    load_any_vec<4>((is_k ? raw_k : raw_q).p + t * ChunkTile::kStride + c, p.qk_dtype, x);
+  constexpr int kRows = 2 * kChunk / kWarps;  // a warp's rows: warp + kWarps j, q's then k's
+  static_assert(kChunk % kWarps == 0, "whole rows of q, then of k, per warp");
+  // Every row's loads, then the sums side by side (each row's shuffles in group_sum's order).
+  float x[kRows][4], ss[kRows];
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const int row = warp + kWarps * j;
+    load_any_vec<4>((row >= kChunk ? raw_k : raw_q).p + (row % kChunk) * ChunkTile::kStride + c, p.qk_dtype, x[j]);
+    ss[j] = x[j][0] * x[j][0] + x[j][1] * x[j][1] + x[j][2] * x[j][2] + x[j][3] * x[j][3];
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1)
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) ss[j] += __shfl_xor_sync(0xffffffffu, ss[j], m);
+#pragma unroll
+  for (int j = 0; j < kRows; ++j) {
+    const int row = warp + kWarps * j, is_k = row >= kChunk, t = row % kChunk;
     float f = is_k ? 1.f : p.scale, r = 1.f;
     if (p.l2norm) {
-      r = rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+      r = rsqrtf(ss[j] + kL2NormEps);
       f *= r;
     }
     const ChunkTile& X = is_k ? Xk : Xq;
-    X.store2(t, c, x[0] * f, x[1] * f);
-    X.store2(t, c + 2, x[2] * f, x[3] * f);
+    X.store2(t, c, x[j][0] * f, x[j][1] * f);
+    X.store2(t, c + 2, x[j][2] * f, x[j][3] * f);
     if (lane == 0) factor[row] = f, rnorm[row] = r;
   }
 }
