@@ -11,7 +11,9 @@ The backward splits the recurrence at 64-token chunks (the layout of the kernels
 ``return_intermediate_states``); the state is the only coupling between chunks:
 
 1. the per-token preprocessing of the raw inputs, fp32 (on CUDA the per-token kernel
-   ``chunk_bwd_inputs``, one pass over them; else :func:`flashkda.reference.preprocess`);
+   ``chunk_bwd_inputs``, one pass over them; else :func:`flashkda.reference.preprocess`); where
+   step 4 runs on the kernels for a scalar gate with no group, that step normalises the raw q and
+   k itself and this one computes only the log decays and β;
 2. every chunk's local quantities: the decay factors, the decayed Gram matrices
    ``M = tril(q kᵀ ⊙ e^{Γi−Γj})`` and ``A = strict_tril(k kᵀ ⊙ e^{Γi−Γj})``,
    ``T = (I + diag(β) A)⁻¹ diag(β)``, ``w = T (k e^Γ)``, ``u = T v``, ``q e^Γ``, ``kd = k e^{Γ_C−Γ}``
