@@ -10,8 +10,8 @@ slots) and the serving form (pool slots, a padding slot, has_initial_state), so 
 the chunked kernels runs once. Then the backward's kernels under autograd: a bf16 varlen call (the
 per-token passes, the forward kernels again, chunk_state_grad, the gradients pass) and an fp32 one
 (the transitions pass and the scans instead), with GVA and V-first states; and a bf16 varlen
-chunk_gated_delta_rule call (the scalar gate's gradients pass); each with the gradients pass whole
-and in value halves (the sm_80 family).
+chunk_gated_delta_rule call with GVA and one without (the scalar gate's gradients pass, the latter
+on the raw q and k); each with the gradients pass whole and in value halves (the sm_80 family).
 """
 
 import torch
@@ -52,9 +52,10 @@ if __name__ == "__main__":
                                      device="cuda", state_v_first=True, seed=1)
                     grads_of(flashkda.chunk_kda, kw, torch.randn_like(kw["v"]), torch.randn_like(kw["initial_state"]),
                              output_final_state=True)
-                kw = make_inputs(lens=[1, 17, 0, 97], H=1, HV=2, D=128, gdn=True, dtype=torch.bfloat16, device="cuda",
-                                 state_v_first=True, seed=2)  # the scalar gate's gradients pass
-                grads_of(flashkda.chunk_gated_delta_rule, kw, torch.randn_like(kw["v"]),
-                         torch.randn_like(kw["initial_state"]), output_final_state=True)
+                for H in (1, 2):  # the scalar gate's gradients pass, with GVA and on the raw q and k
+                    kw = make_inputs(lens=[1, 17, 0, 97], H=H, HV=2, D=128, gdn=True, dtype=torch.bfloat16,
+                                     device="cuda", state_v_first=True, seed=2)
+                    grads_of(flashkda.chunk_gated_delta_rule, kw, torch.randn_like(kw["v"]),
+                             torch.randn_like(kw["initial_state"]), output_final_state=True)
     torch.cuda.synchronize()
     print("sanitize_chunk: done")
