@@ -842,6 +842,9 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
     gate_A, gate_dt = (A_log, dt_bias) if opts.use_gate_in_kernel else (None, None)
     group = HV // H
     tokens = _token_kernels_serve(q, k, v, g, beta, gate_A, gate_dt)
+    # Where one value head serves each key head and the gradients pass runs whole (not in value
+    # halves), that pass takes q's and k's gradients through the scale and the l2 norm itself.
+    qk_in_pass = tokens and group == 1 and not _ext.chunk_bwd_in_value_halves(q.device.index)
     # The kernels' options: scale, gate mode, lower bound, l2norm, beta sigmoid, allow_neg_eigval.
     flags = (opts.scale, C.gate_mode(opts.use_gate_in_kernel, opts.lower_bound),
              opts.lower_bound if opts.lower_bound is not None else 0.0, opts.use_qk_l2norm_in_kernel,
@@ -874,8 +877,7 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         if boundary_states is not None:
             # The kernel path serves: a scalar gate's gradients pass with no group to sum takes the
             # raw q and k and normalises them itself, so this pass computes only ĝ and β̂.
-            raw_in = (g.dim() == 3 and group == 1 and q.dtype in (torch.bfloat16, torch.float16)
-                      and not _ext.chunk_bwd_in_value_halves(q.device.index))
+            raw_in = qk_in_pass and g.dim() == 3 and q.dtype in (torch.bfloat16, torch.float16)
             boundary, (qp, kp, gp, bp, rnorm) = _beside(q.device, lambda: boundary_states(entries),
                                                         lambda: _ext.chunk_bwd_inputs_op(*raw, *flags, not raw_in))
             if raw_in:
@@ -903,10 +905,9 @@ def chunk_backward(opts: ChunkOptions, q, k, v, g, beta, A_log, dt_bias, initial
         boundary = None if boundary_states is None else boundary_states(entries)
     if why is None and boundary is None:  # the state maps then come from the transitions pass
         why = _ext.chunk_bwd_shortfall(q.device.index, transitions=True)
-    # With one value head per key head and the whole gradients pass, that pass writes the raw q's and
-    # k's gradients itself (through the scale and the l2 norm): no per-token pass for them after it.
+    # qk_in_pass: the gradients pass writes the raw q's and k's gradients, no per-token pass after it.
     raw_qk = None
-    if why is None and tokens and group == 1 and not _ext.chunk_bwd_in_value_halves(q.device.index):
+    if why is None and qk_in_pass:
         raw_qk = (q.dtype, rnorm if opts.use_qk_l2norm_in_kernel else None)
     elif qp.dtype != f32:  # the raw q and k kept for a gradients pass that then did not serve
         qp, kp, _, _, rnorm = _ext.chunk_bwd_inputs_op(*raw, *flags)

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_kernel(const ChunkB
         float (&y)[4] = x[i][is_k];
         float f = is_k ? 1.f : t.scale;
         if (t.l2norm) {
-          const float r = rsqrtf(group_sum<32>(y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3]) + kL2NormEps);
+          const float r = l2norm_rnorm(group_sum<32>(sum_sq4(y)));
           f *= r;
           if (lane == 0) p.qk_rnorm[(row * t.HV + hv) * 2 + is_k] = r;
         }
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_qk_grads_kernel(const Chun
       }
       if (t.l2norm) {
         const float (&x)[4] = xs[i][is_k];
-        const float r = rsqrtf(group_sum<32>(x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3]) + kL2NormEps);
+        const float r = l2norm_rnorm(group_sum<32>(sum_sq4(x)));
         float y[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) y[e] = x[e] * r;

@@ -499,9 +499,9 @@ __device__ __forceinline__ void gamma_phase_scalar(const Blk& blk, float* total,
 // A scalar decay's pass on the raw q and k (ChunkBwdParams::raw_q): the chunk's rows, staged in
 // raw_q / raw_k (qk_dtype in a ChunkTile's layout, zeros past the chunk's end), to q̂ = scale ·
 // l2norm(q) and k̂ = l2norm(k) as chunk_bwd_inputs computes them (four channels a lane, a row's
-// sum over the warp in group_sum's order: the same values), as bf16 into the Gram tiles Xq and Xk;
-// each row's factor (x̂ = f x) and 1 / norm into `factor` and `rnorm` ([2][kChunk] fp32, q's rows
-// then k's).
+// sum over the warp in group_sum's order, l2norm_rnorm: the same values), as bf16 into the Gram
+// tiles Xq and Xk; each row's factor (x̂ = f x) and 1 / norm into `factor` and `rnorm`
+// ([2][kChunk] fp32, q's rows then k's).
 template <class Blk>
 __device__ __forceinline__ void normalise_raw_qk(const Blk& blk, const ChunkTile& raw_q, const ChunkTile& raw_k,
                                                  const ChunkTile& Xq, const ChunkTile& Xk, float* factor,
@@ -517,7 +517,7 @@ __device__ __forceinline__ void normalise_raw_qk(const Blk& blk, const ChunkTile
   for (int j = 0; j < kRows; ++j) {
     const int row = warp + kWarps * j;
     load_any_vec<4>((row >= kChunk ? raw_k : raw_q).p + (row % kChunk) * ChunkTile::kStride + c, p.qk_dtype, x[j]);
-    ss[j] = x[j][0] * x[j][0] + x[j][1] * x[j][1] + x[j][2] * x[j][2] + x[j][3] * x[j][3];
+    ss[j] = sum_sq4(x[j]);
   }
 #pragma unroll
   for (int m = 1; m < 32; m <<= 1)
@@ -528,7 +528,7 @@ __device__ __forceinline__ void normalise_raw_qk(const Blk& blk, const ChunkTile
     const int row = warp + kWarps * j, is_k = row >= kChunk, t = row % kChunk;
     float f = is_k ? 1.f : p.scale, r = 1.f;
     if (p.l2norm) {
-      r = rsqrtf(ss[j] + kL2NormEps);
+      r = l2norm_rnorm(ss[j]);
       f *= r;
     }
     const ChunkTile& X = is_k ? Xk : Xq;

@@ -158,6 +158,14 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
+// The l2 norm of a row of kHeadDim channels, four a lane (the backward's per-token passes and the
+// gradients pass that normalises the raw q and k compute it alike, so their values agree to the
+// bit): the lane's share of Σ x², then the row's 1 / norm from the sum over the warp.
+__device__ __forceinline__ float sum_sq4(const float (&x)[4]) {
+  return x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
+}
+__device__ __forceinline__ float l2norm_rnorm(float row_sum_sq) { return rsqrtf(row_sum_sq + kL2NormEps); }
+
 // Inclusive prefix sum over the lanes of a warp (all 32 lanes take part).
 __device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
 #pragma unroll
