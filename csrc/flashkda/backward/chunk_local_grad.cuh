@@ -266,12 +266,27 @@ struct BlockT {
   __device__ __forceinline__ void store2(void* x, DType type, int t, int c, float a, float b) const {
     if (t >= len) return;
     const int64_t i = at(t, c);
-    if (type == DType::kBFloat16)
-      *reinterpret_cast<__nv_bfloat162*>(static_cast<Bf16*>(x) + i) = __floats2bfloat162_rn(a, b);
-    else if (type == DType::kFloat16)
-      *reinterpret_cast<__half2*>(static_cast<__half*>(x) + i) = __floats2half2_rn(a, b);
-    else
+    if (type == DType::kFloat32)
       *reinterpret_cast<float2*>(static_cast<float*>(x) + i) = make_float2(a, b);
+    else
+      *reinterpret_cast<uint32_t*>(static_cast<Bf16*>(x) + i) = pack_16bit_pair(type, a, b);
+  }
+  // The 16-bit way out (type bf16 / fp16) of a product's gradient in the accumulator layout: each
+  // store2 above puts 4 bytes into each of eight rows, eight 128-byte lines per warp store. Instead
+  // stage2 writes the pairs into a free chunk tile (that dtype's bits) and, after a barrier,
+  // write_rows stores the chunk's rows from it 16 bytes a thread, two whole rows per warp store.
+  __device__ __forceinline__ static void stage2(const ChunkTile& tile, DType type, int t, int c, float a, float b) {
+    *reinterpret_cast<uint32_t*>(tile.p + t * ChunkTile::kStride + c) = pack_16bit_pair(type, a, b);
+  }
+  __device__ __forceinline__ void write_rows(void* x, const ChunkTile& tile) const {
+    constexpr int kPieces = kHeadDim * 2 / 16;  // per row
+#pragma unroll
+    for (int i = threadIdx.x; i < kChunk * kPieces; i += kThreads) {
+      const int t = i / kPieces, c = (i % kPieces) * 8;
+      if (t < len)
+        *reinterpret_cast<uint4*>(static_cast<Bf16*>(x) + at(t, c)) =
+            *reinterpret_cast<const uint4*>(tile.p + t * ChunkTile::kStride + c);
+    }
   }
   __device__ __forceinline__ float2 G2(int t, int c) const {
     if constexpr (kScalar) return make_float2(gamma()[t], gamma()[t]);
@@ -764,21 +779,22 @@ __device__ __forceinline__ void add_gram_grads(const Blk& blk, ChunkAcc& dq, Chu
   }
 }
 
-// dg: the suffix sums of dΓ (`dgamma`, fp32 [kChunk][kHeadDim], written by the caller before a
-// barrier) over the chunk, the chunk-end terms at its last token; one thread per (sub-chunk,
-// channel), as Γ, the sub-chunk's total to the earlier ones through `total` ([kSubChunks][kHeadDim]).
-// A scalar gate's dg is the sum over the key channels: a warp's 32 by shuffles, the sub-chunk's four
-// warps through `part` ([kChunk][4] fp32, which may be dgamma: read before the barrier it waits on).
-// kAdd: add into dg (zero-filled, shares of several blocks) instead of writing it.
-template <bool kScalarGate, bool kAdd, class Blk>
-__device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, float* total, float* part) {
+// Writes dg's value v at x, or with kAdd adds it (dg zero-filled, shares of several blocks).
+template <bool kAdd>
+__device__ __forceinline__ void put_dg(float* x, float v) {
+  if constexpr (kAdd)
+    atomicAdd(x, v);
+  else
+    *x = v;
+}
+
+// dg of a per-channel gate: the suffix sums of dΓ (`dgamma`, fp32 [kChunk][kHeadDim], written by
+// the caller before a barrier) over the chunk, the chunk-end terms at its last token; one thread per
+// (sub-chunk, channel), as Γ, the sub-chunk's total to the earlier ones through `total`
+// ([kSubChunks][kHeadDim]). Also dβ.
+template <bool kAdd, class Blk>
+__device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, float* total) {
   const int tid = threadIdx.x, own_c = tid % kHeadDim, own_a = tid / kHeadDim, t0 = own_a * kSubChunk;
-  auto put = [](float* x, float v) {
-    if constexpr (kAdd)
-      atomicAdd(x, v);
-    else
-      *x = v;
-  };
   float run[kSubChunk], sum = 0.f;
 #pragma unroll
   for (int t = kSubChunk - 1; t >= 0; --t) run[t] = sum += dgamma[(t0 + t) * kHeadDim + own_c];
@@ -788,27 +804,51 @@ __device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, fl
 #pragma unroll
   for (int a = 1; a < kSubChunks; ++a)
     if (a > own_a) after += total[a * kHeadDim + own_c];
-  if constexpr (!kScalarGate) {
 #pragma unroll
-    for (int t = 0; t < kSubChunk; ++t)
-      if (t0 + t < blk.len) put(blk.p.dg + blk.at(t0 + t, own_c), after + run[t]);
-  } else {
-    static_assert(kHeadDim == 4 * 32, "a sub-chunk's threads: four warps, a quarter of the channels each");
-    const int lane = tid & 31, quarter = own_c / 32;
+  for (int t = 0; t < kSubChunk; ++t)
+    if (t0 + t < blk.len) put_dg<kAdd>(blk.p.dg + blk.at(t0 + t, own_c), after + run[t]);
+  if (tid < kChunk && tid < blk.len) put_dg<kAdd>(blk.p.dbeta + blk.head_at(tid), blk.dbeta()[tid]);
+}
+
+// dg of a scalar gate (one log decay per token and head), from the block's dΓ accumulators:
+// dg_t = Σ_c (e_c + Σ_{s≥t} dΓ_sc), e the chunk-end terms, summed over the key channels first (a
+// thread's pairs of each of its two rows, the row's four lanes by shuffles, the four column warps
+// through `part`, fp32 [kChunk][kColWarps], 16-byte aligned, free), then over the chunk's tokens by
+// warp 0 (two tokens a lane, the suffix sums by shuffles). Also dβ.
+template <bool kAdd, class Blk>
+__device__ __forceinline__ void write_dg_scalar(const Blk& blk, const ChunkAcc& dG, float* part) {
+  static_assert(kChunk == 2 * 32 && kHeadDim == 4 * 32 && kColWarps == 4,
+                "warp 0: two tokens and four chunk-end terms a lane, a token's four column-warp sums in 16 bytes");
+  const int tid = threadIdx.x, lane = tid & 31, col_warp = (tid >> 5) / kRowWarps;
+  float row[2] = {};  // rows lane / 4 and lane / 4 + 8 of the warp's sixteen
+  ChunkAcc::for_each_pair([&](int mi, int ni, int h, int, int) { row[h] += dG.c[mi][ni][2 * h] + dG.c[mi][ni][2 * h + 1]; });
 #pragma unroll
-    for (int t = 0; t < kSubChunk; ++t) {
-      float x = after + run[t];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-      if (lane == 0) part[(t0 + t) * 4 + quarter] = x;
-    }
-    __syncthreads();
-    if (tid < blk.len) {
-      const float* x = part + tid * 4;
-      put(blk.p.dg + blk.head_at(tid), (x[0] + x[1]) + (x[2] + x[3]));
-    }
+  for (int h = 0; h < 2; ++h) {
+    float x = row[h];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if ((lane & 3) == 0) part[(ChunkAcc::m0() + sm80::FragAcc::m(lane, 2 * h)) * kColWarps + col_warp] = x;
   }
-  if (tid < kChunk && tid < blk.len) put(blk.p.dbeta + blk.head_at(tid), blk.dbeta()[tid]);
+  __syncthreads();
+  if (tid < 32) {
+    const float4 a = reinterpret_cast<const float4*>(part)[2 * lane], b = reinterpret_cast<const float4*>(part)[2 * lane + 1];
+    const float* e = blk.end();
+    const float first = (a.x + a.y) + (a.z + a.w), second = (b.x + b.y) + (b.z + b.w);
+    float end = (e[lane] + e[lane + 32]) + (e[lane + 64] + e[lane + 96]), suffix = first + second;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) end += __shfl_xor_sync(0xffffffffu, end, o);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {  // suffix: the sums of lanes lane .. 31
+      const float y = __shfl_down_sync(0xffffffffu, suffix, o);
+      if (lane + o < 32) suffix += y;
+    }
+    float after = __shfl_down_sync(0xffffffffu, suffix, 1);  // lanes lane + 1 .. 31
+    if (lane == 31) after = 0.f;
+    const float dg1 = second + after, dg0 = first + dg1;  // tokens 2 lane + 1, 2 lane
+    if (2 * lane < blk.len) put_dg<kAdd>(blk.p.dg + blk.head_at(2 * lane), end + dg0);
+    if (2 * lane + 1 < blk.len) put_dg<kAdd>(blk.p.dg + blk.head_at(2 * lane + 1), end + dg1);
+  }
+  if (tid < kChunk && tid < blk.len) put_dg<kAdd>(blk.p.dbeta + blk.head_at(tid), blk.dbeta()[tid]);
 }
 
 // dq and dk of the raw q and k (ChunkBwdParams::dq_raw) from the block's gradients dq̂, dk̂ of q̂ =
@@ -816,11 +856,13 @@ __device__ __forceinline__ void write_dg(const Blk& blk, const float* dgamma, fl
 // dy = scale · dq̂ for q (y · dy = q̂ · dq̂), dk̂ for k; without the l2 norm dx = dy. x_of(i, t, c):
 // channels c, c + 1 of token t's q̂ (i = 0) or k̂ (i = 1) in fp32 (zeros past the chunk's end);
 // rnorm_of(i, t): that row's 1 / norm (t < blk.len, with the l2 norm). `dots` ([2][kChunk][kColWarps]
-// fp32 scratch) takes each column warp's share of the row sums. Ends with a barrier (dots and what
-// x_of reads free again).
+// fp32 scratch) takes each column warp's share of the row sums. 16-bit dq and dk go through the
+// staging tiles `out` (Blk::stage2, free once every thread is past this function's first barrier),
+// which are read after its last. Ends with a barrier (dots and what x_of reads free again) and the
+// stores from `out`.
 template <class Blk, class XOf, class RnormOf>
 __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAcc& dq, const ChunkAcc& dk, XOf&& x_of,
-                                                   RnormOf&& rnorm_of, float* dots) {
+                                                   RnormOf&& rnorm_of, float* dots, const ChunkTile (&out)[2]) {
   const ChunkBwdParams& p = blk.p;
   const int lane = threadIdx.x & 31, col_warp = (threadIdx.x >> 5) / kRowWarps;
   static_assert(ChunkAcc::MI == 1, "a thread's rows: lane / 4 and lane / 4 + 8 of its warp's sixteen");
@@ -847,8 +889,8 @@ __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAc
         x += __shfl_xor_sync(0xffffffffu, x, 2);
         if ((lane & 3) == 0) dots[(i * kChunk + row_of(h)) * kColWarps + col_warp] = x;
       }
-    __syncthreads();
   }
+  __syncthreads();  // dots written; `out` free
   // Per row: the dot of y and dy as the multiple of x = f · y that dx takes off (dot / f).
   const float s = p.scale;
   float take[2][2] = {};
@@ -863,24 +905,34 @@ __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAc
         take[i][h] = i ? dot : dot / s;
       }
   }
+  const bool staged = p.qk_dtype != DType::kFloat32;
   ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-    float out[2][2];
+    float dx[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {  // q, k
       const ChunkAcc& d = i ? dk : dq;
       const float f = i ? 1.f : s;
-      out[i][0] = f * d.c[mi][ni][2 * h];
-      out[i][1] = f * d.c[mi][ni][2 * h + 1];
+      dx[i][0] = f * d.c[mi][ni][2 * h];
+      dx[i][1] = f * d.c[mi][ni][2 * h + 1];
       if (p.l2norm) {
         const float2 x = x_of(i, t, c);  // f · y (zero past the chunk's end)
-        out[i][0] = r[i][h] * (out[i][0] - x.x * take[i][h]);
-        out[i][1] = r[i][h] * (out[i][1] - x.y * take[i][h]);
+        dx[i][0] = r[i][h] * (dx[i][0] - x.x * take[i][h]);
+        dx[i][1] = r[i][h] * (dx[i][1] - x.y * take[i][h]);
       }
     }
-    blk.store2(p.dq_raw, p.qk_dtype, t, c, out[0][0], out[0][1]);
-    blk.store2(p.dk_raw, p.qk_dtype, t, c, out[1][0], out[1][1]);
+    if (staged) {
+      Blk::stage2(out[0], p.qk_dtype, t, c, dx[0][0], dx[0][1]);
+      Blk::stage2(out[1], p.qk_dtype, t, c, dx[1][0], dx[1][1]);
+    } else {
+      blk.store2(p.dq_raw, p.qk_dtype, t, c, dx[0][0], dx[0][1]);
+      blk.store2(p.dk_raw, p.qk_dtype, t, c, dx[1][0], dx[1][1]);
+    }
   });
   __syncthreads();
+  if (staged) {
+    blk.write_rows(p.dq_raw, out[0]);
+    blk.write_rows(p.dk_raw, out[1]);
+  }
 }
 
 // kScalarGate: g and dg hold one log decay per (token, head) for every key channel (GDN). The
@@ -1131,6 +1183,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       __syncthreads();
     }
     const ChunkTile dwt = blk.slot(kScalar ? 0 : 3);  // over dS' or U
+    const bool dv_staged = p.dv_dtype != DType::kFloat32;
+    const ChunkTile dv_stage = blk.slot(6);  // a 16-bit dv, over dO (read no more)
     {
       ChunkAcc dw;  // −dU Sᵀ
       dw.zero();
@@ -1140,10 +1194,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       dv.zero();
       dv.mma<true, true>(Tt, dUt, 0, kChunk);
       ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-        blk.store2(p.dv, p.dv_dtype, t, c, dv.c[mi][ni][2 * h], dv.c[mi][ni][2 * h + 1]);
+        if (dv_staged)
+          Block::stage2(dv_stage, p.dv_dtype, t, c, dv.c[mi][ni][2 * h], dv.c[mi][ni][2 * h + 1]);
+        else
+          blk.store2(p.dv, p.dv_dtype, t, c, dv.c[mi][ni][2 * h], dv.c[mi][ni][2 * h + 1]);
       });
     }
     __syncthreads();
+    if (dv_staged) blk.write_rows(p.dv, dv_stage);  // barriers ahead of the next writes to slot 6
     const SquareTile X1 = blk.template tile<SquareTile>(SmemLayout::slot(4));  // over S
     const SquareTile Y1 = blk.template tile<SquareTile>(SmemLayout::slot(5));
     const SquareTile dZA = blk.template tile<SquareTile>(SmemLayout::slot(7));  // over dU or U
@@ -1204,7 +1262,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       const auto rnorm_of = [&](int i, int t) {
         return raw_in ? raw_rnorm[i * kChunk + t] : __ldg(p.qk_rnorm + blk.head_at(t) * 2 + i);
       };
-      write_raw_qk_grads(blk, dq, dk, staged_pair, rnorm_of, A);  // the row sums over A (read no more)
+      // the row sums over A, 16-bit dq and dk staged in slots 0-1 (KDA's Xq and Xk, a scalar decay's
+      // dw and dS': read no more)
+      write_raw_qk_grads(blk, dq, dk, staged_pair, rnorm_of, A, {blk.slot(0), blk.slot(1)});
     } else {
       ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
         blk.store2(p.dq, DType::kFloat32, t, c, dq.c[mi][ni][2 * h], dq.c[mi][ni][2 * h + 1]);
@@ -1212,12 +1272,16 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       });
     }
     // dg: suffix sums of dΓ over the chunk, the chunk-end terms (kd, e^{Γ_C}) at its last token.
-    float* dgamma = reinterpret_cast<float*>(smem + SmemLayout::slot(3));  // over dw and X1
-    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-      *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
-    });
-    __syncthreads();
-    write_dg<kScalarGate, false>(blk, dgamma, A, dgamma);  // totals over A (read no more)
+    if constexpr (kScalarGate) {
+      write_dg_scalar<false>(blk, dG, A);  // the sums over the column warps over A (read no more)
+    } else {
+      float* dgamma = reinterpret_cast<float*>(smem + SmemLayout::slot(3));  // over dw and X1
+      ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+        *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
+      });
+      __syncthreads();
+      write_dg<false>(blk, dgamma, A);  // totals over A (read no more)
+    }
   }
 }
 

@@ -416,13 +416,16 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
   });
   // kPhaseDg: dĝ's suffix sums over the chunk, as the whole pass (dΓ over the Gram operands).
   __syncthreads();
-  float* dgamma = reinterpret_cast<float*>(region(L::kDGamma));
-  ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
-    *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
-  });
-  __syncthreads();
-  write_dg<kScalarGate, true>(blk, dgamma, reinterpret_cast<float*>(region(L::kTotals2)),
-                              reinterpret_cast<float*>(region(L::kPart)));
+  if constexpr (kScalarGate) {
+    write_dg_scalar<true>(blk, dG, reinterpret_cast<float*>(region(L::kPart)));
+  } else {
+    float* dgamma = reinterpret_cast<float*>(region(L::kDGamma));
+    ChunkAcc::for_each_pair([&](int mi, int ni, int h, int t, int c) {
+      *reinterpret_cast<float2*>(dgamma + t * kHeadDim + c) = make_float2(dG.c[mi][ni][2 * h], dG.c[mi][ni][2 * h + 1]);
+    });
+    __syncthreads();
+    write_dg<true>(blk, dgamma, reinterpret_cast<float*>(region(L::kTotals2)));
+  }
 }
 
 }  // namespace chunk_bwd

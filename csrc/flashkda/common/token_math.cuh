@@ -97,20 +97,23 @@ __device__ __forceinline__ void store_any(void* p, DType dt, int64_t i, float x)
   }
 }
 
+// Two values as one 32-bit word of a 16-bit dtype dt (bfloat16 or float16, rounded to nearest).
+__device__ __forceinline__ uint32_t pack_16bit_pair(DType dt, float a, float b) {
+  if (dt == DType::kBFloat16) {
+    const __nv_bfloat162 x = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&x);
+  }
+  const __half2 x = __floats2half2_rn(a, b);
+  return *reinterpret_cast<const uint32_t*>(&x);
+}
+
 // Four consecutive values of run-time dtype dt, one access: `dst` aligned to 4 elements (the
 // counterpart of load_any_vec<4>).
 __device__ __forceinline__ void store_any_vec4(void* dst, DType dt, const float (&x)[4]) {
-  if (dt == DType::kFloat32) {
+  if (dt == DType::kFloat32)
     *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
-  } else if (dt == DType::kBFloat16) {
-    const __nv_bfloat162 a = __floats2bfloat162_rn(x[0], x[1]), b = __floats2bfloat162_rn(x[2], x[3]);
-    *reinterpret_cast<uint2*>(dst) =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-  } else {
-    const __half2 a = __floats2half2_rn(x[0], x[1]), b = __floats2half2_rn(x[2], x[3]);
-    *reinterpret_cast<uint2*>(dst) =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
-  }
+  else
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_16bit_pair(dt, x[0], x[1]), pack_16bit_pair(dt, x[2], x[3]));
 }
 
 // The address of element i of a tensor of run-time dtype dt.
