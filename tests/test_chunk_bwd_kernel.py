@@ -397,6 +397,9 @@ TOKEN_CASES = {
                         torch.bfloat16, torch.float32, False, False),
     "gdn_softplus_gva": (C.GATE_SOFTPLUS, 0.0, True, True, False, True, 1, 2, torch.float32, torch.float32,
                          torch.float32, torch.float32, True, True),
+    # more value heads than a scalar gate's block takes side by side (32), not a multiple of them
+    "gdn_lower_bound_40_heads": (C.GATE_LOWER_BOUND, -4.0, True, True, False, True, 5, 40, torch.bfloat16,
+                                 torch.bfloat16, torch.float32, torch.float32, True, True),
 }
 
 

@@ -10,8 +10,9 @@
 //            dβ through the sigmoid, written in the raw inputs' dtypes, and the gate parameters'
 //            sums per tile of rows (summed by the caller: a fixed order, so the result does not vary
 //            from run to run).
-// A warp per (kTokensPerWarp tokens, head), four key channels a lane: memory-bound, one read of
-// each input and one write of each output. Each kernel issues all of its tokens' loads before its
+// A warp per (kTokensPerWarp tokens, head), four key channels a lane (a scalar gate's ĝ, β̂ and
+// their gradients: a thread per token and head): memory-bound, one read of each input and one
+// write of each output. Each kernel issues all of its tokens' loads before its
 // first store: the compiler, which cannot tell the outputs from the inputs, keeps a load written
 // after a store behind it, one memory latency after another.
 #pragma once
@@ -218,8 +219,8 @@ __device__ __forceinline__ void gate_grads(const RecurrentParams& t, const float
   }
 }
 
-// One block per (tile of kBwdTokenTileRows tokens, value head), a warp per token at a time: dg and
-// dβ of every token, and the tile's sums of d(dt_bias) and d(A_log).
+// A per-channel gate's gradients: one block per (tile of kBwdTokenTileRows tokens, value head), a
+// warp per token at a time: dg and dβ of every token, and the tile's sums of d(dt_bias) and d(A_log).
 __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const ChunkBwdTokenParams p) {
   __shared__ float part_dt[kWarps][kHeadDim];
   __shared__ float part_a[kWarps];
@@ -239,12 +240,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
     for (int r = 0; r < kRowsInFlight; ++r) {
       const int64_t row = tile * kBwdTokenTileRows + (i0 + r) * kWarps + warp;
       if (row >= p.rows) continue;  // (not break: the loop stays unrolled, its arrays in registers)
-      if (t.scalar_gate) {  // the head's one gradient, in every lane (summed over the channels already)
-        dys[r][0] = p.dg_hat[row * t.HV + hv];
-        dys[r][1] = dys[r][2] = dys[r][3] = 0.f;
-      } else {
-        load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dys[r]);
-      }
+      load_floats<4>(p.dg_hat + (row * t.HV + hv) * kHeadDim + c0, dys[r]);
       load_gate(p, row, hv, c0, raws[r]);
       if (lane == 0) {
         dbeta_hat[r] = p.dbeta_hat[row * t.HV + hv];
@@ -265,11 +261,7 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
         case GateMode::kSoftplus: gate_grads<GateMode::kSoftplus>(t, dy, x, a, dx, da); break;
         default: gate_grads<GateMode::kPrecomputed>(t, dy, x, a, dx, da);
       }
-      if (t.scalar_gate) {
-        if (lane == 0) store_any(p.dg, t.g_dtype, row * t.HV + hv, dx[0]);
-      } else {
-        store_any_vec4(element_at(p.dg, t.g_dtype, (row * t.HV + hv) * kHeadDim + c0), t.g_dtype, dx);
-      }
+      store_any_vec4(element_at(p.dg, t.g_dtype, (row * t.HV + hv) * kHeadDim + c0), t.g_dtype, dx);
 #pragma unroll
       for (int e = 0; e < 4; ++e) sum_dx[e] += dx[e];
       sum_da += da;
@@ -286,26 +278,107 @@ __global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_kernel(const Ch
   if (p.ddt_bias_part == nullptr && p.dA_log_part == nullptr) return;
 #pragma unroll
   for (int e = 0; e < 4; ++e) part_dt[warp][c0 + e] = sum_dx[e];
-  if (t.scalar_gate && lane != 0) sum_da = 0.f;  // every lane computed the head's one value
   sum_da = group_sum<32>(sum_da);
   if (lane == 0) part_a[warp] = sum_da;
   __syncthreads();
   const int c = threadIdx.x;
-  if (c < kHeadDim && p.ddt_bias_part != nullptr && (!t.scalar_gate || c == 0)) {
+  if (c < kHeadDim && p.ddt_bias_part != nullptr) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += part_dt[w][c];
-    if (t.scalar_gate) {
-      p.ddt_bias_part[tile * t.HV + hv] = s;
-    } else {
-      p.ddt_bias_part[(tile * t.HV + hv) * kHeadDim + c] = s;
-    }
+    p.ddt_bias_part[(tile * t.HV + hv) * kHeadDim + c] = s;
   }
   if (c == 0 && p.dA_log_part != nullptr) {
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) s += part_a[w];
     p.dA_log_part[tile * t.HV + hv] = s;
+  }
+}
+
+// A scalar gate (one log decay per token and value head) would leave a warp per token all but idle,
+// its blocks one memory latency after another: its ĝ, β̂ and gradients take a thread per (token,
+// value head) instead, the heads of a token in neighbouring lanes (one coalesced access per warp).
+constexpr int kScalarHeads = 32;                           // value heads of a block's lanes
+constexpr int kScalarRowGroups = kThreads / kScalarHeads;  // rows of a tile taken side by side
+constexpr int kScalarRows = kBwdTokenTileRows / kScalarRowGroups;  // a thread's rows (loads in flight)
+static_assert(kBwdTokenTileRows % kScalarRowGroups == 0, "a tile: whole row groups");
+
+// The inputs pass of a scalar gate without q̂ and k̂: ĝ and β̂, a thread per (token, value head).
+__global__ void __launch_bounds__(kThreads) chunk_bwd_inputs_scalar_gate_kernel(const ChunkBwdTokenParams p) {
+  const RecurrentParams& t = p.tok;
+  const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // row · HV + hv
+  if (i >= p.rows * t.HV) return;
+  const int64_t row = i / t.HV;
+  const int hv = int(i - row * t.HV);
+  const float raw = load_any(t.g, t.g_dtype, token_offset(row, t.T, t.g_batch_stride, t.g_token_stride, t.g_head_stride, hv));
+  const float beta_raw = raw_beta(t, row, hv);
+  const float bias = t.dt_bias == nullptr ? 0.f : load_any(t.dt_bias, t.dt_bias_dtype, hv);
+  p.g_hat[i] = log_decay(t, raw, bias, gate_scale(t, hv));
+  p.beta_hat[i] = beta_value(t, beta_raw);
+}
+
+// A scalar gate's dg and dβ of the thread's kScalarRows rows of one value head (rows with a stride
+// of kScalarRowGroups from row0), adding its gate parameters' gradients to sum_dx and sum_da.
+template <GateMode kMode>
+__device__ __forceinline__ void scalar_gate_rows(const ChunkBwdTokenParams& p, int64_t row0, int hv, float& sum_dx,
+                                                 float& sum_da) {
+  const RecurrentParams& t = p.tok;
+  const float a = gate_scale(t, hv), bias = t.dt_bias == nullptr ? 0.f : load_any(t.dt_bias, t.dt_bias_dtype, hv);
+  float dy[kScalarRows], raw[kScalarRows], dbeta[kScalarRows], beta_raw[kScalarRows];
+#pragma unroll
+  for (int r = 0; r < kScalarRows; ++r) {  // every load before the first store
+    const int64_t row = row0 + r * kScalarRowGroups;
+    if (row >= p.rows) continue;
+    dy[r] = p.dg_hat[row * t.HV + hv];
+    raw[r] = load_any(t.g, t.g_dtype, token_offset(row, t.T, t.g_batch_stride, t.g_token_stride, t.g_head_stride, hv));
+    dbeta[r] = p.dbeta_hat[row * t.HV + hv];
+    beta_raw[r] = t.beta_sigmoid ? raw_beta(t, row, hv) : 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < kScalarRows; ++r) {
+    const int64_t row = row0 + r * kScalarRowGroups;
+    if (row >= p.rows) continue;
+    float dx, da;
+    gate_grad_as<kMode>(t, dy[r], raw[r] + bias, a, dx, da);
+    store_any(p.dg, t.g_dtype, row * t.HV + hv, dx);
+    sum_dx += dx;
+    sum_da += da;
+    float db = dbeta[r];
+    if (t.beta_sigmoid) {
+      const float s = sigmoidf_(beta_raw[r]);
+      db *= t.beta_scale * s * (1.f - s);
+    }
+    store_any(p.dbeta, t.beta_dtype, row * t.HV + hv, db);
+  }
+}
+
+// A scalar gate's gradients pass: a block per (tile of kBwdTokenTileRows tokens, kScalarHeads value
+// heads), a thread per (value head, row group); the tile's sums of d(dt_bias) and d(A_log) per head
+// over the row groups in order.
+__global__ void __launch_bounds__(kThreads) chunk_bwd_gate_grads_scalar_kernel(const ChunkBwdTokenParams p) {
+  __shared__ float part[2][kScalarRowGroups][kScalarHeads];  // d(dt_bias), d(A_log)
+  const RecurrentParams& t = p.tok;
+  const int lane = threadIdx.x % kScalarHeads, group = threadIdx.x / kScalarHeads;
+  const int hv = blockIdx.y * kScalarHeads + lane;
+  const int64_t tile = blockIdx.x, row0 = tile * kBwdTokenTileRows + group;
+  float sum_dx = 0.f, sum_da = 0.f;
+  if (hv < t.HV) {
+    switch (t.gate_mode) {
+      case GateMode::kLowerBound: scalar_gate_rows<GateMode::kLowerBound>(p, row0, hv, sum_dx, sum_da); break;
+      case GateMode::kSoftplus: scalar_gate_rows<GateMode::kSoftplus>(p, row0, hv, sum_dx, sum_da); break;
+      default: scalar_gate_rows<GateMode::kPrecomputed>(p, row0, hv, sum_dx, sum_da);
+    }
+  }
+  part[0][group][lane] = sum_dx;
+  part[1][group][lane] = sum_da;
+  __syncthreads();
+  float* out = group == 0 ? p.ddt_bias_part : p.dA_log_part;
+  if (group < 2 && hv < t.HV && out != nullptr) {
+    float s = 0.f;
+#pragma unroll
+    for (int g = 0; g < kScalarRowGroups; ++g) s += part[group][g][lane];
+    out[tile * t.HV + hv] = s;
   }
 }
 
@@ -316,14 +389,23 @@ cudaError_t run_chunk_bwd_tokens(const ChunkBwdTokenParams& p, ChunkBwdTokenPass
   if (p.rows == 0) return cudaSuccess;
   constexpr int kRowsPerBlock = kWarps * kTokensPerWarp;
   const unsigned row_blocks = unsigned((p.rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  const bool scalar = p.tok.scalar_gate;
   if (pass == ChunkBwdTokenPass::kInputs) {
-    const auto kernel = p.q_hat != nullptr ? chunk_bwd_inputs_kernel<true> : chunk_bwd_inputs_kernel<false>;
-    kernel<<<dim3(row_blocks, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
+    if (p.q_hat != nullptr)
+      chunk_bwd_inputs_kernel<true><<<dim3(row_blocks, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
+    else if (scalar)
+      chunk_bwd_inputs_scalar_gate_kernel<<<unsigned((p.rows * p.tok.HV + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+    else
+      chunk_bwd_inputs_kernel<false><<<dim3(row_blocks, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
   } else {
     if (p.dq_hat != nullptr)  // (else the gradients pass wrote dq and dk)
       chunk_bwd_qk_grads_kernel<<<dim3(row_blocks, unsigned(p.tok.H)), kThreads, 0, stream>>>(p);
     const unsigned tiles = unsigned((p.rows + kBwdTokenTileRows - 1) / kBwdTokenTileRows);
-    chunk_bwd_gate_grads_kernel<<<dim3(tiles, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
+    if (scalar)
+      chunk_bwd_gate_grads_scalar_kernel<<<dim3(tiles, unsigned((p.tok.HV + kScalarHeads - 1) / kScalarHeads)), kThreads, 0,
+                                           stream>>>(p);
+    else
+      chunk_bwd_gate_grads_kernel<<<dim3(tiles, unsigned(p.tok.HV)), kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
