@@ -3,12 +3,14 @@ one column per implementation, median ms, the HBM floor, flashkda as a fraction 
 tables of the required prefill and decode cases with their bounds, and a PNG of time against T.
 
     python bench/report.py RESULTS.json [--markdown table.md] [--plot prefill_vs_T.png]
-        [--update BENCHMARK_H200.md --command "the command that produced RESULTS.json"]
+        [--update BENCHMARK_H200.md --command "the command that produced RESULTS.json" [--sections train]]
         [--merge bench/results/h200.json]
 
 --update rewrites the generated sections of the file (between ``<!-- report:NAME -->`` and
 ``<!-- /report:NAME -->``; appended when absent) with the command, dates, GPU and tables. --merge
 adds the records to a results file, replacing those of the same case and implementation.
+--sections names the generated sections to rewrite (default: every one with records), so that
+records of one kind leave the others, and the commands they name, as they were.
 """
 
 import argparse
@@ -278,6 +280,18 @@ def section(kind: str, records, command: str) -> str:
             f"Date: {dates}. GPU: {gpus}. A dash: not measured in these records.\n\n{table_text}\n")
 
 
+SECTIONS = ("prefill", "decode", "fla", "prefix", "train", "cp")
+
+
+def update_sections(path: str, records, command: str, kinds=SECTIONS) -> None:
+    """Rewrites the generated sections ``kinds`` of the markdown file from ``records`` (a kind with
+    no record is left as it is)."""
+    for kind in kinds:
+        body = section(kind, records, command)
+        if body:
+            update_markdown(path, kind, body)
+
+
 def update_markdown(path: str, name: str, text: str) -> None:
     """Replaces the generated section `name` of the markdown file, or appends it."""
     begin, end = f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
@@ -308,6 +322,8 @@ def main():
     ap.add_argument("--plot", help="PNG of time against T for the sweep cases")
     ap.add_argument("--update", help="markdown file whose generated sections to rewrite (BENCHMARK_H200.md)")
     ap.add_argument("--command", default="not recorded", help="the command that produced the records")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma-separated generated sections for --update (default: all)")
     ap.add_argument("--merge", help="results file (bench/results/h200.json) to add these records to")
     args = ap.parse_args()
     with open(args.results) as f:
@@ -328,10 +344,11 @@ def main():
         with open(args.markdown, "w") as f:
             f.write(text + "\n")
     if args.update:
-        for kind in ("prefill", "decode", "fla", "prefix", "train", "cp"):
-            body = section(kind, records, args.command)
-            if body:
-                update_markdown(args.update, kind, body)
+        kinds = args.sections.split(",")
+        unknown = set(kinds) - set(SECTIONS)
+        if unknown:
+            ap.error(f"--sections: unknown {sorted(unknown)}; known: {', '.join(SECTIONS)}")
+        update_sections(args.update, records, args.command, kinds)
 
 
 if __name__ == "__main__":

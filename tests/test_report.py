@@ -62,6 +62,19 @@ def test_section_names_command_date_and_gpu():
     assert report.section("decode", [_rec(case, "flashkda", 1.0)], "x") == ""
 
 
+def test_update_sections_leaves_the_other_sections(tmp_path):
+    """Updating one kind of section keeps the others, and the commands they name, as they were."""
+    md = tmp_path / "B.md"
+    prefill_case = list(PREFILL_ROWS)[0]
+    recs = [_rec(prefill_case, "flashkda", 1.0), _rec(decode_case(256), "flashkda", 0.1)]
+    report.update_sections(str(md), recs, "prefill command")
+    report.update_sections(str(md), recs, "decode command", kinds=("decode",))
+    doc = md.read_text()
+    assert "`prefill command`" in doc.split("<!-- report:decode -->")[0]
+    assert "`decode command`" in doc.split("<!-- report:decode -->")[1]
+    assert doc.count("prefill command") == 1 and doc.count("decode command") == 1
+
+
 def test_merge_replaces_same_case_and_impl(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps([_rec("a", "x", 1.0), _rec("a", "y", 2.0)]))
