@@ -4,9 +4,9 @@
 // Each block recomputes the chunk's local forward from the preprocessed inputs: the cumulative log
 // decay Γ, the decayed Gram matrices M and A, the unit lower triangular solve L = (I + diag(β) A)⁻¹
 // (by 16 x 16 blocks, as chunk_prepare solves it), T = L diag(β), w and u. Products run on the tensor
-// cores (mma.sync m16n8k16, bf16 operands in shared memory, fp32 accumulators); the block's 218 KB
-// of shared memory needs an sm_90 GPU, and with one block per SM its sixteen warps are what hides
-// the latencies. The token rows a phase reads reach shared memory by cp.async ahead of their use:
+// cores (mma.sync m16n8k16, bf16 operands in shared memory, fp32 accumulators; on sm_90a the products
+// by a state S or dS' on warpgroup MMAs, PanelStateTile); the block's 218 KB of shared memory needs
+// an sm_90 GPU, and with one block per SM its sixteen warps are what hides the latencies. The token rows a phase reads reach shared memory by cp.async ahead of their use:
 // with 128 registers a thread, loads into registers are issued one at a time next to their uses.
 //
 // Decay without overflow, as the forward (chunk_prepare.cuh): tokens in sub-chunks of 16, γ the
@@ -31,8 +31,10 @@
 #include <type_traits>
 
 #include "flashkda/backward/chunk_bwd_params.h"
+#include "flashkda/common/bulk_sm90.cuh"
 #include "flashkda/common/mma_sm80.cuh"
 #include "flashkda/common/token_math.cuh"
+#include "flashkda/common/wgmma_sm90.cuh"
 #include "flashkda/prefill/chunk_params.h"
 
 namespace flashkda {
@@ -57,7 +59,8 @@ struct Tile {
   static constexpr int kStride = kCols + 8;
   static constexpr int kBytes = kRows * kStride * 2;
   Bf16* p;
-  __device__ __forceinline__ uint32_t addr(int r, int c) const { return sm80::smem_u32(p + r * kStride + c); }
+  __device__ __forceinline__ Bf16* at(int r, int c) const { return p + r * kStride + c; }
+  __device__ __forceinline__ uint32_t addr(int r, int c) const { return sm80::smem_u32(at(r, c)); }
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
     *reinterpret_cast<__nv_bfloat162*>(p + r * kStride + c) = __floats2bfloat162_rn(x, y);
   }
@@ -69,6 +72,22 @@ struct Tile {
 using ChunkTile = Tile<kChunk, kHeadDim>;   // [token][channel]
 using StateTile = Tile<kHeadDim, kHeadDim>;  // [key][value]
 using SquareTile = Tile<kChunk, kChunk>;     // [token][token]
+
+// A [kHeadDim][kHeadDim] state ([key][value]) in 128-byte swizzled panels of 64 columns
+// (sm80::PanelTile) at a 1024-byte aligned base: the layout a warpgroup MMA reads through a matrix
+// descriptor as its B operand, K-major (rows of N) or MN-major (rows of K). The sm_90a gradients
+// pass keeps S and dS' so and multiplies them on warpgroup MMAs (state_mma); its other tiles keep
+// the padded rows above, which ldmatrix and the accumulator stores address with no XOR.
+struct PanelStateTile {
+  using Layout = sm80::PanelTile<kHeadDim, kHeadDim / 8>;
+  static constexpr int kBytes = 2 * Layout::kPanelBytes;
+  Bf16* p;
+  // Element (r, c); elements c .. c + 7 - c % 8 of row r are contiguous (one 16-byte piece).
+  __device__ __forceinline__ Bf16* at(int r, int c) const {
+    return reinterpret_cast<Bf16*>(reinterpret_cast<uint8_t*>(p) + Layout::offset(r, c));
+  }
+  __device__ __forceinline__ uint32_t addr(int r, int c) const { return sm80::smem_u32(at(r, c)); }
+};
 
 // c[mi][ni] += op(A)[m0 + 16 mi + ·][k] · op(B)[k][n0 + 8 ni + ·] for k in [k0, k1) (multiples of 16).
 // op(A) is A as stored ([m][k]) or, with kTransA, the transpose of the stored [k][m]; op(B) is the
@@ -120,6 +139,52 @@ __device__ __forceinline__ void warp_mma(float (&c)[MI][NI][4], const TA& A, con
   }
 }
 
+#ifdef FLASHKDA_WGMMA
+// warp_mma's c[0][·] += ±A[m0 + ·][k] · op(S)[k][n0 + 8 ni + ·] over the state's kHeadDim for a
+// 64-row product on warpgroup MMAs: the four warps of a warpgroup (m0 = 16 · (warp % 4)) share one
+// n0 and take 8 NI columns from it; A (a padded chunk tile, [m][k]) by ldmatrix into registers,
+// every k-step's fragment before one fence (a fence and a wait every 2 or 4 k-steps measured slower);
+// S in place through a descriptor: op(S) = Sᵀ (S stored [n][k], K-major) or, with kTransB, S as
+// stored ([k][n], MN-major). S's writes must have been published to the async proxy (publish_tiles)
+// before the barrier ahead of this product.
+template <bool kTransB, int kScaleA, int NI, class TA>
+__device__ __forceinline__ void warpgroup_state_mma(float (&c)[NI][4], const TA& A, const PanelStateTile& S, int m0,
+                                                    int n0) {
+  constexpr uint32_t kPanel = PanelStateTile::Layout::kPanelBytes;
+  constexpr int kSteps = kHeadDim / 16;
+  const int lane = threadIdx.x & 31;
+  const uint32_t s_base = sm80::smem_u32(S.p);
+  uint32_t a[kSteps][4];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) sm80::ldmatrix_x4(a[s], A.addr(m0 + (lane & 15), 16 * s + (lane >> 4) * 8));
+  sm90::fence_operands(c);
+  sm90::wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    const int k = 16 * s;
+    if constexpr (kTransB) {  // rows of K, 16 of them from row k; columns n0 .. within one panel
+      const uint32_t start = s_base + (n0 / 64) * kPanel + k * 128 + (n0 % 64) * 2;
+      sm90::wgmma_m64nNk16_rs<Bf16, kScaleA, NI, sm90::gmma::Major::MN>(c, a[s], sm90::smem_desc(start, kPanel, 1024),
+                                                                        true);
+    } else {  // rows of N from n0, the 16 columns from k (within one panel)
+      const uint32_t start = s_base + (k / 64) * kPanel + n0 * 128 + (k % 64) * 2;
+      sm90::wgmma_m64nNk16_rs<Bf16, kScaleA, NI>(c, a[s], sm90::smem_desc(start, 16, 1024), true);
+    }
+  }
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>();
+  sm90::fence_operands(c);
+}
+#endif
+
+// Makes the block's shared-memory writes before the next barrier (stores, cp.async copies: the
+// generic proxy) visible to the warpgroup MMAs after it (the async proxy), where the build has them.
+__device__ __forceinline__ void publish_tiles() {
+#ifdef FLASHKDA_WGMMA
+  sm90::fence_proxy_async();
+#endif
+}
+
 // An M x N fp32 product of the block: warps kRowWarps (rows) x kColWarps (columns), each an
 // (M / kRowWarps) x (N / kColWarps) tile.
 template <int M, int N>
@@ -135,6 +200,22 @@ struct Acc {
   template <bool kTransA, bool kTransB, class TA, class TB>
   __device__ __forceinline__ void mma(const TA& A, const TB& B, int k0, int k1, bool negate = false) {
     warp_mma<kTransA, kTransB>(c, A, B, m0(), n0(), k0, k1, negate);
+  }
+  // c += ±A · op(S) over all kHeadDim of the state S (op(S) = Sᵀ, or S with kTransB): on warpgroup
+  // MMAs for a PanelStateTile (sm_90a, M = 64), else as mma.
+  template <bool kTransB, class TA, class TS>
+  __device__ __forceinline__ void state_mma(const TA& A, const TS& S, bool negate = false) {
+#ifdef FLASHKDA_WGMMA
+    if constexpr (std::is_same_v<TS, PanelStateTile>) {
+      static_assert(M == 64 && MI == 1, "a warpgroup's 64 rows");
+      if (negate)
+        warpgroup_state_mma<kTransB, -1>(c[0], A, S, m0(), n0());
+      else
+        warpgroup_state_mma<kTransB, 1>(c[0], A, S, m0(), n0());
+      return;
+    }
+#endif
+    warp_mma<false, kTransB>(c, A, S, m0(), n0(), 0, kHeadDim, negate);
   }
   // f(mi, ni, e, row, col) for each element this thread holds.
   template <class F>
@@ -188,7 +269,9 @@ struct SmemLayout {
   static constexpr int kM = kA + kChunk * kF32Stride * 4;              // SquareTile M, later dM
   static constexpr int kT = kM + SquareTile::kBytes;                   // SquareTile T
   static constexpr int kL = kT + SquareTile::kBytes;                   // SquareTile L
-  static constexpr int kSlots = kL + SquareTile::kBytes;               // kNumSlots chunk tiles
+  // kNumSlots chunk tiles of 17 KB each from a 1024-byte boundary (asserted below), so that every
+  // slot starts on one (a PanelStateTile's alignment).
+  static constexpr int kSlots = kL + SquareTile::kBytes;
   static constexpr int kNumSlots = 8;
   static constexpr int kBytes = kSlots + kNumSlots * ChunkTile::kBytes;
   __host__ __device__ static constexpr int slot(int i) { return kSlots + i * ChunkTile::kBytes; }
@@ -204,7 +287,9 @@ struct SmemLayout {
 };
 static_assert(SmemLayout::kScalarRnorm + 2 * kChunk * 4 <= SmemLayout::kBeta,
               "a scalar decay's q̂, k̂ tiles and raw rows' factors fit over Γ");
-static_assert(StateTile::kBytes <= 2 * ChunkTile::kBytes, "a state tile takes two slots");
+static_assert(StateTile::kBytes <= 2 * ChunkTile::kBytes && PanelStateTile::kBytes <= 2 * ChunkTile::kBytes,
+              "a state tile takes two slots");
+static_assert(SmemLayout::kSlots % 1024 == 0 && ChunkTile::kBytes % 1024 == 0, "slots on 1024-byte boundaries");
 static_assert(kChunk * kF32Stride * 4 <= ChunkTile::kBytes, "the fp32 L takes one slot");
 static_assert((kSubChunks - 1) * kSubChunk * kScratchStride * 4 <= ChunkTile::kBytes, "the solve's scratch takes one slot");
 static_assert(kSubChunks * kHeadDim * 4 <= kChunk * kF32Stride * 4, "the sub-chunk sums fit over A");
@@ -364,8 +449,10 @@ struct BlockT {
   __device__ __forceinline__ void copy_rows_async(const ChunkTile& tile, const Bf16* x) const {
     copy_rows_async(reinterpret_cast<uint8_t*>(tile.p), ChunkTile::kStride * 2, x);
   }
-  // The same for the [kHeadDim][kHeadDim] bf16 matrix of this (chunk, head) in x, into a state tile.
-  __device__ __forceinline__ void copy_state_async(const StateTile& tile, const Bf16* x) const {
+  // The same for the [kHeadDim][kHeadDim] bf16 matrix of this (chunk, head) in x, into a state tile
+  // (StateTile or PanelStateTile).
+  template <class T>
+  __device__ __forceinline__ void copy_state_async(const T& tile, const Bf16* x) const {
     constexpr int kPieces = kHeadDim * 2 / 16;
     const Bf16* base = x + state_at();
 #pragma unroll
@@ -373,7 +460,7 @@ struct BlockT {
       const int r = i / kPieces, piece = i % kPieces;
       cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
           *reinterpret_cast<const cute::uint128_t*>(base + r * kHeadDim + piece * 8),
-          *reinterpret_cast<cute::uint128_t*>(tile.p + r * StateTile::kStride + piece * 8), true);
+          *reinterpret_cast<cute::uint128_t*>(tile.at(r, piece * 8)), true);
     }
     cute::cp_async_fence();
   }
@@ -381,8 +468,8 @@ struct BlockT {
   // y, f(row, col, x4, y4) also sees each four values of x with those of y, in fp32 (loads first,
   // as fill, in kParts parts: the registers of the gradients pass allow no more in flight). The 32
   // lanes of a warp hold one row per step.
-  template <class F>
-  __device__ __forceinline__ void fill_state(const StateTile& tile, const Bf16* x, const Bf16* y, F&& f) const {
+  template <class T, class F>
+  __device__ __forceinline__ void fill_state(const T& tile, const Bf16* x, const Bf16* y, F&& f) const {
     constexpr int kPerRow = kHeadDim / 4, kParts = 4, kIters = kHeadDim * kPerRow / kThreads / kParts;
     const int64_t base = state_at() / 4;
     const uint2* xs = reinterpret_cast<const uint2*>(x) + base;  // four bf16 each
@@ -399,7 +486,7 @@ struct BlockT {
 #pragma unroll
       for (int it = 0; it < kIters; ++it) {
         const int i = threadIdx.x + (part * kIters + it) * kThreads, r = i / kPerRow, c = (i % kPerRow) * 4;
-        *reinterpret_cast<uint2*>(tile.p + r * StateTile::kStride + c) = v[it];  // already bf16
+        *reinterpret_cast<uint2*>(tile.at(r, c)) = v[it];  // already bf16
         if (y != nullptr) f(r, c, unpack4(v[it]), unpack4(w[it]));
       }
     }
@@ -940,8 +1027,14 @@ __device__ __forceinline__ void write_raw_qk_grads(const Blk& blk, const ChunkAc
 // e^{Γi−Γj} on each element of M, A and their gradients instead of pivots and factors per channel.
 template <Pass kPass, bool kScalarGate>
 __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const ChunkBwdParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem[];
   constexpr bool kScalar = kScalarGate && kPass == Pass::kGradients;
+  // S and dS' of the gradients pass: on sm_90a in the panels its warpgroup MMAs read in place.
+#ifdef FLASHKDA_WGMMA
+  using PassStateTile = std::conditional_t<kPass == Pass::kGradients, PanelStateTile, StateTile>;
+#else
+  using PassStateTile = StateTile;
+#endif
   const int tid = threadIdx.x;
   BlockT<SmemLayout, kScalar> blk{p, smem, int64_t(blockIdx.x), 0, 0, int(blockIdx.y), 0, p.HV * kHeadDim};
   blk.bos = p.chunk_bos[blk.chunk];
@@ -1044,7 +1137,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   //   KDA     0 kg | 1 v | 2 w, kd | 3 U, dw | 4-5 S, dS', S | 6 dO | 7 dU, dZA
   //   scalar  0-1 dS', then 0 dw | 2 v | 3 w, dU | 4-5 S | 6 dO | 7 kg, U, dZA
   const ChunkTile kg = blk.slot(kScalar ? 7 : 0), vt = blk.slot(kScalar ? 2 : 1), wt = blk.slot(kScalar ? 3 : 2);
-  const StateTile dSt = blk.template tile<StateTile>(SmemLayout::slot(0));  // scalar decay only
+  const PassStateTile dSt = blk.template tile<PassStateTile>(SmemLayout::slot(0));  // scalar decay only
   blk.copy_rows_async(vt, p.v);
   if constexpr (kScalar && kPass == Pass::kGradients) blk.copy_state_async(dSt, p.dstates);
   solve(blk, reinterpret_cast<float*>(smem + SmemLayout::slot(3)), reinterpret_cast<float*>(smem + SmemLayout::slot(4)),
@@ -1058,7 +1151,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
   cute::cp_async_wait<0>();
   __syncthreads();
   if constexpr (kPass == Pass::kGradients) {  // S and dO (over the staged k̂), in flight during T v and T kg
-    blk.copy_state_async(blk.template tile<StateTile>(SmemLayout::slot(4)), p.states);
+    blk.copy_state_async(blk.template tile<PassStateTile>(SmemLayout::slot(4)), p.states);
     blk.copy_rows_async(blk.slot(6), p.dO);
   }
   ChunkAcc u;  // T v, then U = T v − w S
@@ -1112,21 +1205,22 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     }
     return;
   } else {
-    const StateTile St = blk.template tile<StateTile>(SmemLayout::slot(4));
+    const PassStateTile St = blk.template tile<PassStateTile>(SmemLayout::slot(4));
     const ChunkTile Ut = blk.slot(kScalar ? 7 : 3), dOt = blk.slot(6), dUt = blk.slot(kScalar ? 3 : 7);
     const ChunkTile kd = blk.slot(2);  // KDA's only
     ChunkAcc dq, dk, dG;  // gradients of q̂, k̂ and Γ, accumulated in this layout
     dq.zero();
     dk.zero();
     dG.zero();
-    cute::cp_async_wait<0>();  // S and dO
+    cute::cp_async_wait<0>();  // S and dO (and a scalar decay's dS')
+    publish_tiles();
     __syncthreads();
-    u.mma<false, true>(wt, St, 0, kHeadDim, true);  // U = T v − w S
+    u.state_mma<true>(wt, St, true);  // U = T v − w S
     u.store(Ut, [](int, int, float x) { return x; });
     {
       ChunkAcc dqg;  // of q̂ e^Γ: dO Sᵀ
       dqg.zero();
-      dqg.mma<false, false>(dOt, St, 0, kHeadDim);
+      dqg.state_mma<false>(dOt, St);
       add_through_decay(blk, dqg, dq, dG, q_of);
     }
     // e^{Γ_C} Σ_v S dS' to the chunk's end (per key row r, the warp's lanes over its values): a
@@ -1140,15 +1234,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
     if constexpr (kScalar) {
       const int c = (tid & 31) * 4;
       for (int r = tid >> 5; r < kHeadDim; r += kWarps) {
-        const auto at = [&](const StateTile& x) {
-          return Block::unpack4(*reinterpret_cast<const uint2*>(x.p + r * StateTile::kStride + c));
-        };
+        const auto at = [&](const PassStateTile& x) { return Block::unpack4(*reinterpret_cast<const uint2*>(x.at(r, c))); };
         add_end_term(r, at(St), at(dSt));
       }
     } else {
       __syncthreads();
       blk.fill_state(St, p.dstates, p.states, [&](int r, int, const float4& d, const float4& s) { add_end_term(r, s, d); });
       blk.fill(kd, p.k, [&](int t, int c, float x) { return x * __expf(blk.G_end(c) - blk.G(t, c)); });
+      publish_tiles();  // dS' over S
     }
     __syncthreads();
     SquareAcc dM;  // dO Uᵀ, masked when stored
@@ -1156,17 +1249,17 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       ChunkAcc dU;  // Mᵀ dO + kd dS'
       dU.zero();
       if constexpr (kScalar) {  // kd dS' = diag(e^{Γ_C−Γ}) (k̂ dS'), then Mᵀ dO
-        dU.mma<false, true>(Xk, dSt, 0, kHeadDim);
+        dU.state_mma<true>(Xk, dSt);
         ChunkAcc::for_each([&](int mi, int ni, int e, int t, int) { dU.c[mi][ni][e] *= __expf(blk.G_end(0) - blk.G(t, 0)); });
         dU.mma<true, true>(Mt, dOt, 0, kChunk);
       } else {
         dU.mma<true, true>(Mt, dOt, 0, kChunk);
-        dU.mma<false, true>(kd, St, 0, kHeadDim);
+        dU.state_mma<true>(kd, St);
       }
       dU.store(dUt, [](int, int, float x) { return x; });
       ChunkAcc dkd;  // of kd: U dS'ᵀ
       dkd.zero();
-      dkd.mma<false, false>(Ut, kScalar ? dSt : St, 0, kHeadDim);
+      dkd.state_mma<false>(Ut, kScalar ? dSt : St);
       add_kd_grad(blk, dkd, dk, dG, k_of);
       dM.zero();
       dM.mma<false, false>(dOt, Ut, 0, kHeadDim);
@@ -1180,13 +1273,14 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_kernel(const Chu
       dM.store(Mt, [](int i, int j, float x) { return j <= i ? x : 0.f; });
     if constexpr (!kScalar) {
       cute::cp_async_wait<0>();
+      publish_tiles();  // S again
       __syncthreads();
     }
     const ChunkTile dwt = blk.slot(kScalar ? 0 : 3);  // over dS' or U
     {
       ChunkAcc dw;  // −dU Sᵀ
       dw.zero();
-      dw.mma<false, false>(dUt, St, 0, kHeadDim, true);
+      dw.state_mma<false>(dUt, St, true);
       dw.store(dwt, [](int, int, float x) { return x; });
       ChunkAcc dv;  // Tᵀ dU
       dv.zero();

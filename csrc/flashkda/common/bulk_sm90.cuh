@@ -97,7 +97,8 @@ __device__ __forceinline__ void bulk_wait_read() {
 // Until all of this thread's bulk groups have completed.
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Orders this thread's generic-proxy shared-memory writes before later bulk copies read them.
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads of them
+// (bulk copies, warpgroup MMAs).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

@@ -100,14 +100,14 @@ __device__ __forceinline__ void rs_fma(float (&d)[NT][4], const uint32_t (&a)[4]
 }
 
 // d[NT][4] (64 x 8 NT fp32) = (scale_d ? d : 0) + kScaleA · A (64 x 16, registers) · B (16 x 8 NT,
-// K-major), NT = 2, 4, 6 or 8 (N = 16 .. 64). A slice of a triangular B (chunk::TriTile) takes
-// only the accumulators of its rows, the leading ones (leading_tiles).
-template <typename Elem, int kScaleA, int NT>
+// K-major, or MN-major with kMajorB), NT = 2, 4, 6 or 8 (N = 16 .. 64). A slice of a triangular B
+// (chunk::TriTile) takes only the accumulators of its rows, the leading ones (leading_tiles).
+template <typename Elem, int kScaleA, int NT, gmma::Major kMajorB = gmma::Major::K>
 __device__ __forceinline__ void wgmma_m64nNk16_rs(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   bool scale_d) {
   static_assert(kScaleA == 1 || kScaleA == -1, "A scale is +1 or -1");
   static_assert(NT == 2 || NT == 4 || NT == 6 || NT == 8, "N = 16, 32, 48 or 64");
-  using Mma = typename RsMma<Elem, 8 * NT, gmma::Major::K, kScaleA == 1 ? gmma::ScaleIn::One : gmma::ScaleIn::Neg>::type;
+  using Mma = typename RsMma<Elem, 8 * NT, kMajorB, kScaleA == 1 ? gmma::ScaleIn::One : gmma::ScaleIn::Neg>::type;
   rs_fma<Mma>(d, a, desc_b, scale_d ? gmma::ScaleOut::One : gmma::ScaleOut::Zero, std::make_index_sequence<4 * NT>{});
 }
 
