@@ -23,6 +23,6 @@ for gate in ${GATES:-channel}; do
   [[ -x /tmp/lg_ab_base ]] && /tmp/lg_ab_base 8192 32 $gate /tmp/lg_ab_base.bin >/dev/null
   for name in "${names[@]:1}"; do
     [[ -x /tmp/lg_ab_$name ]] && /tmp/lg_ab_$name 8192 32 $gate "/tmp/lg_ab_$name.bin" >/dev/null \
-      && echo "$name vs base ($gate): $(python3 bench/harness/compare_outputs.py /tmp/lg_ab_base.bin "/tmp/lg_ab_$name.bin" 8192 32)"
+      && echo "$name vs base ($gate): $(python3 bench/harness/compare_outputs.py /tmp/lg_ab_base.bin "/tmp/lg_ab_$name.bin" 8192 32 $gate)"
   done
 done

@@ -8,8 +8,8 @@
 // l2 norm (ChunkBwdParams::dq_raw; 1 / norms in [0.5, 1.5]) instead of fp32 dq̂ and dk̂; with
 // `-rawin` (`scalar-rawin`) also from the raw bf16 q and k (ChunkBwdParams::raw_q, N(0, 1) entries),
 // which the pass normalises itself.
-// argv[4], a path (not with `-raw`): dq, dk, dv, dg and dβ (fp32, in that order) are written there
-// after the timing, for compare_outputs.py.
+// argv[4], a path: dq, dk, dv, dg and dβ (fp32, in that order; with `-raw` dq and dk are the raw
+// q's and k's bf16 gradients widened) are written there after the timing, for compare_outputs.py.
 //   nvcc -std=c++17 -O3 -I<csrc> -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //        local_grad_harness.cu -o local_grad_harness && ./local_grad_harness 8192 32 scalar
 #include <cuda_bf16.h>
@@ -25,6 +25,12 @@ __device__ unsigned long long g_phase_cycles[32];
 #endif
 #include "flashkda/backward/chunk_local_grad.cuh"
 #include "harness.cuh"
+
+// y[i] = x[i], bf16 to fp32.
+__global__ void widen(const __nv_bfloat16* x, float* y, size_t count) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x)
+    y[i] = __bfloat162float(x[i]);
+}
 
 // x[i] = lo + (hi - lo) · u, u from the bf16 normal fill's hash through a logistic map to [0, 1].
 __global__ void to_range(const __nv_bfloat16* n, float* x, size_t count, float lo, float hi) {
@@ -103,11 +109,20 @@ int main(int argc, char** argv) {
   CHECK(cudaDeviceSynchronize());
   std::printf("chunk_local_grad gradients, %s gate%s, T=%d HV=%d: median %.3f ms (%.1f us per block wave)\n", scalar_gate ? "scalar" : "channel", raw_in ? ", raw q/k in and gradients" : raw_qk ? ", raw q/k gradients" : "", T, HV, med,
               1e3 * med / ((double(chunks) * HV + 131) / 132));
-  if (argc > 4 && !raw_qk) {
+  if (argc > 4) {
     FILE* f = std::fopen(argv[4], "wb");
     bool ok = true;
     const size_t n_gate = scalar_gate ? size_t(T) * HV : n_tok;
-    for (const auto& [x, n] : {std::pair{dq, n_tok}, {dk, n_tok}, {dv, n_tok}, {dg, n_gate}, {dbeta, size_t(T) * HV}})
+    float* wide = nullptr;  // a raw gradient widened to fp32
+    if (raw_qk) CHECK(cudaMalloc(&wide, n_tok * 4));
+    for (float* x : {dq, dk}) {
+      if (raw_qk) {
+        widen<<<1024, 256>>>(reinterpret_cast<const __nv_bfloat16*>(x), wide, n_tok);
+        CHECK(cudaDeviceSynchronize());
+      }
+      ok = ok && append_device_bytes(f, raw_qk ? wide : x, n_tok * 4);
+    }
+    for (const auto& [x, n] : {std::pair{dv, n_tok}, {dg, n_gate}, {dbeta, size_t(T) * HV}})
       ok = ok && append_device_bytes(f, x, n * 4);
     if (f != nullptr) std::fclose(f);
     if (!ok) {
