@@ -26,12 +26,6 @@ __device__ unsigned long long g_phase_cycles[32];
 #include "flashkda/backward/chunk_local_grad.cuh"
 #include "harness.cuh"
 
-// y[i] = x[i], bf16 to fp32.
-__global__ void widen(const __nv_bfloat16* x, float* y, size_t count) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x)
-    y[i] = __bfloat162float(x[i]);
-}
-
 // x[i] = lo + (hi - lo) · u, u from the bf16 normal fill's hash through a logistic map to [0, 1].
 __global__ void to_range(const __nv_bfloat16* n, float* x, size_t count, float lo, float hi) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x)
@@ -113,14 +107,16 @@ int main(int argc, char** argv) {
     FILE* f = std::fopen(argv[4], "wb");
     bool ok = true;
     const size_t n_gate = scalar_gate ? size_t(T) * HV : n_tok;
-    float* wide = nullptr;  // a raw gradient widened to fp32
-    if (raw_qk) CHECK(cudaMalloc(&wide, n_tok * 4));
-    for (float* x : {dq, dk}) {
-      if (raw_qk) {
-        widen<<<1024, 256>>>(reinterpret_cast<const __nv_bfloat16*>(x), wide, n_tok);
-        CHECK(cudaDeviceSynchronize());
+    for (float* x : {dq, dk}) {  // the raw gradients (bf16, first half of the buffer) widened on the host
+      if (!raw_qk) {
+        ok = ok && append_device_bytes(f, x, n_tok * 4);
+        continue;
       }
-      ok = ok && append_device_bytes(f, raw_qk ? wide : x, n_tok * 4);
+      std::vector<__nv_bfloat16> h(n_tok);
+      std::vector<float> wide(n_tok);
+      ok = ok && cudaMemcpy(h.data(), x, n_tok * 2, cudaMemcpyDeviceToHost) == cudaSuccess;
+      for (size_t i = 0; i < n_tok; ++i) wide[i] = __bfloat162float(h[i]);
+      ok = ok && f != nullptr && std::fwrite(wide.data(), 4, n_tok, f) == n_tok;
     }
     for (const auto& [x, n] : {std::pair{dv, n_tok}, {dg, n_gate}, {dbeta, size_t(T) * HV}})
       ok = ok && append_device_bytes(f, x, n * 4);

@@ -6,8 +6,9 @@
 // (by 16 x 16 blocks, as chunk_prepare solves it), T = L diag(β), w and u. Products run on the tensor
 // cores (mma.sync m16n8k16, bf16 operands in shared memory, fp32 accumulators; on sm_90a the products
 // by a state S or dS' on warpgroup MMAs, PanelStateTile); the block's 218 KB of shared memory needs
-// an sm_90 GPU, and with one block per SM its sixteen warps are what hides the latencies. The token rows a phase reads reach shared memory by cp.async ahead of their use:
-// with 128 registers a thread, loads into registers are issued one at a time next to their uses.
+// an sm_90 GPU, and with one block per SM its sixteen warps are what hides the latencies. The token
+// rows a phase reads reach shared memory by cp.async ahead of their use: with 128 registers a
+// thread, loads into registers are issued one at a time next to their uses.
 //
 // Decay without overflow, as the forward (chunk_prepare.cuh): tokens in sub-chunks of 16, γ the
 // log decay from a token's sub-chunk start, h_a half of sub-chunk a's total. The Gram operands are
@@ -62,11 +63,11 @@ struct Tile {
   __device__ __forceinline__ Bf16* at(int r, int c) const { return p + r * kStride + c; }
   __device__ __forceinline__ uint32_t addr(int r, int c) const { return sm80::smem_u32(at(r, c)); }
   __device__ __forceinline__ void store2(int r, int c, float x, float y) const {
-    *reinterpret_cast<__nv_bfloat162*>(p + r * kStride + c) = __floats2bfloat162_rn(x, y);
+    *reinterpret_cast<__nv_bfloat162*>(at(r, c)) = __floats2bfloat162_rn(x, y);
   }
-  __device__ __forceinline__ float get(int r, int c) const { return __bfloat162float(p[r * kStride + c]); }
+  __device__ __forceinline__ float get(int r, int c) const { return __bfloat162float(*at(r, c)); }
   __device__ __forceinline__ float2 get2(int r, int c) const {  // c even
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p + r * kStride + c));
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(at(r, c)));
   }
 };
 using ChunkTile = Tile<kChunk, kHeadDim>;   // [token][channel]
@@ -86,7 +87,6 @@ struct PanelStateTile {
   __device__ __forceinline__ Bf16* at(int r, int c) const {
     return reinterpret_cast<Bf16*>(reinterpret_cast<uint8_t*>(p) + Layout::offset(r, c));
   }
-  __device__ __forceinline__ uint32_t addr(int r, int c) const { return sm80::smem_u32(at(r, c)); }
 };
 
 // c[mi][ni] += op(A)[m0 + 16 mi + ·][k] · op(B)[k][n0 + 8 ni + ·] for k in [k0, k1) (multiples of 16).
@@ -212,10 +212,11 @@ struct Acc {
         warpgroup_state_mma<kTransB, -1>(c[0], A, S, m0(), n0());
       else
         warpgroup_state_mma<kTransB, 1>(c[0], A, S, m0(), n0());
-      return;
-    }
+    } else
 #endif
-    warp_mma<false, kTransB>(c, A, S, m0(), n0(), 0, kHeadDim, negate);
+    {
+      warp_mma<false, kTransB>(c, A, S, m0(), n0(), 0, kHeadDim, negate);
+    }
   }
   // f(mi, ni, e, row, col) for each element this thread holds.
   template <class F>
@@ -361,7 +362,7 @@ struct BlockT {
   // stage2 writes the pairs into a free chunk tile (that dtype's bits) and, after a barrier,
   // write_rows stores the chunk's rows from it 16 bytes a thread, two whole rows per warp store.
   __device__ __forceinline__ static void stage2(const ChunkTile& tile, DType type, int t, int c, float a, float b) {
-    *reinterpret_cast<uint32_t*>(tile.p + t * ChunkTile::kStride + c) = pack_16bit_pair(type, a, b);
+    *reinterpret_cast<uint32_t*>(tile.at(t, c)) = pack_16bit_pair(type, a, b);
   }
   __device__ __forceinline__ void write_rows(void* x, const ChunkTile& tile) const {
     constexpr int kPieces = kHeadDim * 2 / 16;  // per row
@@ -370,7 +371,7 @@ struct BlockT {
       const int t = i / kPieces, c = (i % kPieces) * 8;
       if (t < len)
         *reinterpret_cast<uint4*>(static_cast<Bf16*>(x) + at(t, c)) =
-            *reinterpret_cast<const uint4*>(tile.p + t * ChunkTile::kStride + c);
+            *reinterpret_cast<const uint4*>(tile.at(t, c));
     }
   }
   __device__ __forceinline__ float2 G2(int t, int c) const {
@@ -642,7 +643,7 @@ __device__ __forceinline__ void normalise_raw_qk(const Blk& blk, const ChunkTile
 
 // Channels c, c + 1 (c even) of token t of a staged raw row tile (qk_dtype), times f.
 __device__ __forceinline__ float2 raw_pair(const ChunkTile& raw, DType type, int t, int c, float f) {
-  const uint32_t bits = *reinterpret_cast<const uint32_t*>(raw.p + t * ChunkTile::kStride + c);
+  const uint32_t bits = *reinterpret_cast<const uint32_t*>(raw.at(t, c));
   return make_float2(bits_to_float(bits & 0xffffu, type) * f, bits_to_float(bits >> 16, type) * f);
 }
 

@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_local_grad_split_kernel(con
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int i = tid + it * kThreads, r = i / kPerRow, c = (i % kPerRow) * 4;
-      *reinterpret_cast<uint2*>(St.p + r * StatePartTile::kStride + c) = d[it];
+      *reinterpret_cast<uint2*>(St.at(r, c)) = d[it];
       const float4 d4 = SplitBlock::unpack4(d[it]), s4 = SplitBlock::unpack4(s[it]);
       float x = s4.x * d4.x + s4.y * d4.y + s4.z * d4.z + s4.w * d4.w;
 #pragma unroll
