@@ -23,7 +23,7 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
 # bench/test_train.py (GRAD_IMPLS, TRAIN_K pick impls and rows), SANITIZE=1 the sanitizers, and, unless
-# MODEL=0, bench/train_fla_model.py; with HARNESS=1 first
+# MODEL=0, bench/train_fla_model.py; FLA_PROFILE=1 also profiles FLA's GDN row (bench/train_profile.py); with HARNESS=1 first
 # bench/harness/run_local_grad.sh, the backward's gradients pass alone with its phase clocks) | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
 # chunk_prepare, chunk_recurrence and the sm_90 decode kernel) | prefix (prefix caching: the
@@ -200,6 +200,9 @@ if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fw
   timeout 120 python3 bench/train_profile.py 2>&1 | grep -v -i warn | tee "$OUT/train_profile.txt" | head -24
   timeout 120 python3 bench/train_profile.py --case train_gdn_T8k_H32 --top 10 2>&1 | grep -v -i warn \
     | tee "$OUT/train_profile_gdn.txt" | head -16
+  # FLA_PROFILE=1: FLA's GDN row by kernel too, its kernel time beside its step time (compiles FLA's kernels)
+  [[ ${FLA_PROFILE:-0} == 1 ]] && timeout 240 python3 bench/train_profile.py --case train_gdn_T8k_H32 --impl fla --top 10 \
+    2>&1 | grep -v -i warn | tee "$OUT/train_profile_gdn_fla.txt" | tail -16
   timeout ${TEST_LIMIT:-300} python3 -m pytest -q ${TESTS:-tests/test_autograd.py tests/test_api.py tests/test_fla_backend.py} \
     -m "${TEST_MARK-not slow}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider >"$OUT/train_tests.log" 2>&1
   tail -3 "$OUT/train_tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/train_tests.log" | head -12 | cut -c1-300

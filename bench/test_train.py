@@ -52,16 +52,17 @@ def _inputs(lens, B, H, gdn=False, seed=0):
     return kw
 
 
-def _lift_fla_hopper_guard(monkeypatch) -> str | None:
+def _lift_fla_hopper_guard(set_attr=setattr) -> str | None:
     """FLA 0.6 refuses its gated ``chunk_bwd_dqkwg`` (the scalar-gate backward) on Hopper with
     Triton 3.4 to 3.7.0, whose compiler gives it wrong values there. The GDN row times FLA's kernels
-    as they are (their values are not used): the guard is lifted for the row (``monkeypatch`` puts
-    it back) and the record says so. Returns the note for the record, or None where FLA runs unguarded."""
+    as they are (their values are not used): the guard is lifted for the row by ``set_attr`` (a
+    test's ``monkeypatch.setattr`` puts it back) and the record says so. Returns the note for the
+    record, or None where FLA runs unguarded."""
     from fla.ops.common import chunk_o
 
     if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
         return None
-    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
+    set_attr(chunk_o, "TRITON_ABOVE_3_7_1", True)
     return "FLA's Hopper guard on chunk_bwd_dqkwg (Triton < 3.7.1: wrong values) lifted to time it"
 
 
@@ -105,7 +106,7 @@ def test_train(case, impl, monkeypatch):
         pytest.skip("fla not installed")
     kw = _inputs(lens, B, H, gdn=gdn)
     note = {}
-    if gdn and impl == "fla" and (lifted := _lift_fla_hopper_guard(monkeypatch)):
+    if gdn and impl == "fla" and (lifted := _lift_fla_hopper_guard(monkeypatch.setattr)):
         note["note"] = lifted
     if gdn:
         f = flashkda.chunk_gated_delta_rule if impl == "flashkda" else fla_gdn
