@@ -197,9 +197,9 @@ fi
 if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fwd+bwd rows, FLA's model trained
   export PYTHONPATH=.:bench:tests${PYTHONPATH:+:$PYTHONPATH}  # every step's log also in $OUT (a time-out keeps it)
   [[ ${HARNESS:-0} == 1 ]] && timeout 120 bash bench/harness/run_local_grad.sh 2>&1 | tail -24 | tee "$OUT/local_grad.txt"
-  timeout 120 python3 bench/train_profile.py 2>&1 | grep -v -i warn | tee "$OUT/train_profile.txt" | head -24
+  timeout 120 python3 bench/train_profile.py 2>&1 | grep -v -i warn | tee "$OUT/train_profile.txt" | head -30
   timeout 120 python3 bench/train_profile.py --case train_gdn_T8k_H32 --top 10 2>&1 | grep -v -i warn \
-    | tee "$OUT/train_profile_gdn.txt" | head -16
+    | tee "$OUT/train_profile_gdn.txt" | head -20
   # FLA_PROFILE=1: FLA's GDN row by kernel too, its kernel time beside its step time (compiles FLA's kernels)
   [[ ${FLA_PROFILE:-0} == 1 ]] && timeout 240 python3 bench/train_profile.py --case train_gdn_T8k_H32 --impl fla --top 10 \
     2>&1 | grep -v -i warn | tee "$OUT/train_profile_gdn_fla.txt" | tail -16

@@ -60,7 +60,7 @@ for round in 1 2; do
     if [[ ${TRAIN:-0} == 1 ]]; then  # training calls: kernels by GPU time and the T = 8192, H = 32 rows
       for case in train_T8k_H32 train_gdn_T8k_H32; do
         (cd "${dirs[$i]}" && PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 bench/train_profile.py --case $case --top 10 \
-           2>&1 | grep -E "chunk_|Self CUDA")
+           2>&1 | grep -E "chunk_|Self CUDA|: kernels ")
       done
       results=/tmp/ab_library_train_${names[$i]}_$round.json
       (cd "${dirs[$i]}" && FLASHKDA_FLA_BACKEND=0 PYTHONPATH="${PYTHONPATH:-}:.:bench" python3 -m pytest -q -s \
