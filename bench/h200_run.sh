@@ -22,7 +22,9 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # | e2e (TESTS, by default the FLA-convention and backend tests without fla_compile, then
 # bench/fla_dispatch.py and bench/e2e_fla_model.py: FLA's KDAForCausalLM with and without flashkda)
 # | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
-# bench/test_train.py (GRAD_IMPLS, TRAIN_K pick impls and rows), SANITIZE=1 the sanitizers, and, unless
+# under GRAD_LIMIT seconds (default 150, in which a machine without FLA's Triton cache did not reach
+# the varlen rows), bench/test_train.py (GRAD_IMPLS, TRAIN_K pick impls and rows), SANITIZE=1 the
+# sanitizers, and, unless
 # MODEL=0, bench/train_fla_model.py; FLA_PROFILE=1 also profiles FLA's GDN row (bench/train_profile.py);
 # with HARNESS=1 first
 # bench/harness/run_local_grad.sh, the backward's gradients pass alone with its phase clocks) | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
@@ -207,7 +209,7 @@ if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fw
   timeout ${TEST_LIMIT:-300} python3 -m pytest -q ${TESTS:-tests/test_autograd.py tests/test_api.py tests/test_fla_backend.py} \
     -m "${TEST_MARK-not slow}" ${TEST_K:+-k "$TEST_K"} --tb=short -p no:cacheprovider >"$OUT/train_tests.log" 2>&1
   tail -3 "$OUT/train_tests.log" | cut -c1-300; grep -E "^(FAILED|ERROR)" "$OUT/train_tests.log" | head -12 | cut -c1-300
-  timeout 150 python3 bench/grad_accuracy.py --impls "${GRAD_IMPLS:-flashkda,fla}" --json "$OUT/grad.json" 2>&1 | grep -v -i warn | tee "$OUT/grad.txt"
+  timeout ${GRAD_LIMIT:-150} python3 bench/grad_accuracy.py --impls "${GRAD_IMPLS:-flashkda,fla}" --json "$OUT/grad.json" 2>&1 | grep -v -i warn | tee "$OUT/grad.txt"
   FLASHKDA_FLA_BACKEND=0 timeout ${BENCH_LIMIT:-240} python3 -m pytest -q bench/test_train.py ${TRAIN_K:+-k "$TRAIN_K"} \
     -o faulthandler_timeout=$(( ${BENCH_LIMIT:-240} - 20 )) -p no:cacheprovider --flashkda-results "$OUT/train.json" --benchmark-disable-gc 2>&1 | tail -2
   python3 bench/report.py "$OUT/train.json" --markdown "$OUT/train_table.md" >/dev/null && cat "$OUT/train_table.md"
