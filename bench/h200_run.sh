@@ -24,10 +24,10 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # | train (TESTS, by default the autograd, API and FLA backend tests, then bench/grad_accuracy.py,
 # under GRAD_LIMIT seconds (default 150, in which a machine without FLA's Triton cache did not reach
 # the varlen rows), bench/test_train.py (GRAD_IMPLS, TRAIN_K pick impls and rows), SANITIZE=1 the
-# sanitizers, and, unless
-# MODEL=0, bench/train_fla_model.py; FLA_PROFILE=1 also profiles FLA's GDN row (bench/train_profile.py);
-# with HARNESS=1 first
-# bench/harness/run_local_grad.sh, the backward's gradients pass alone with its phase clocks) | fla (the tests that run FLA's Triton kernels, marked fla_compile, or with FLA_MARK="" the whole
+# sanitizers, and, unless MODEL=0, bench/train_fla_model.py; FLA_PROFILE=1 also profiles FLA's GDN
+# row (bench/train_profile.py); with HARNESS=1 first bench/harness/run_local_grad.sh, the backward's
+# gradients pass alone with its phase clocks) | fla (the tests that run FLA's Triton kernels, marked
+# fla_compile, or with FLA_MARK="" the whole
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
 # chunk_prepare, chunk_recurrence and the sm_90 decode kernel) | prefix (prefix caching: the
 # required cases of bench/test_prefill.py with the plain call and FLA's flagged call, then
