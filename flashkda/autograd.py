@@ -111,15 +111,31 @@ class ChunkFunction(torch.autograd.Function):
         opt = ctx.options
         needs = ctx.needs_input_grad[2:]
         *tensors, states, records = ctx.saved_tensors
-        gate_spans = -1  # unknown: the backward checks
-        if ctx.gate_check is not None:
-            ctx.gate_check.event.synchronize()
-            gate_spans = int(bool(ctx.gate_check.within))
-        grads = torch.ops.flashkda.chunk_bwd(
-            do, dht, *tensors, states, records, gate_spans, opt.cu_seqlens, opt.cu_seqlens_cpu, opt.scale,
-            opt.use_qk_l2norm_in_kernel,
-            opt.use_gate_in_kernel, opt.lower_bound, opt.use_beta_sigmoid_in_kernel, opt.allow_neg_eigval,
-            opt.state_v_first, _needs_mask(needs, tensors))
+
+        def gradients(gate_spans: int):
+            return torch.ops.flashkda.chunk_bwd(
+                do, dht, *tensors, states, records, gate_spans, opt.cu_seqlens, opt.cu_seqlens_cpu, opt.scale,
+                opt.use_qk_l2norm_in_kernel,
+                opt.use_gate_in_kernel, opt.lower_bound, opt.use_beta_sigmoid_in_kernel, opt.allow_neg_eigval,
+                opt.state_v_first, _needs_mask(needs, tensors))
+
+        check = ctx.gate_check
+        if check is None:
+            grads = gradients(-1)  # no check made (or none needed): the backward decides itself
+        elif check.event.query():
+            grads = gradients(int(bool(check.within)))
+        else:
+            # The device has not reached the check yet (the host far ahead of it, as with a lone
+            # call timed back to back). Waiting for it here would drain the queue, and the device
+            # would then idle while the backward's launches follow one by one: the kernels run as if
+            # the gate passed, and the answer is read after their launches, while they keep the
+            # device busy. A gate that fails it (rare) gets the backward again, on the PyTorch path.
+            grads = gradients(1)
+            check.event.synchronize()
+            if not bool(check.within):
+                _ext.log.debug("flashkda: gate outside the backward kernels' span; its backward again on PyTorch")
+                del grads
+                grads = gradients(0)
         return (None, None, *(gr if m else None for gr, m in zip(grads, _needs_flags(needs, tensors))))
 
 
@@ -127,7 +143,8 @@ class GateCheck(NamedTuple):
     """Whether every 16 consecutive tokens' log decay stays within the backward kernels' span, found
     on the device when the forward starts and copied to the host without waiting
     (:func:`forward_gate_check`): the backward reads it once ``event`` has passed (long before, as a
-    rule) instead of reading the device, which would wait for all the work queued before it."""
+    rule) instead of reading the device, which would wait for all the work queued before it; where
+    the event has not passed yet, only after launching the kernel path (``ChunkFunction.backward``)."""
 
     within: torch.Tensor  # [] bool, pinned host memory
     event: torch.cuda.Event

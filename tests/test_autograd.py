@@ -257,6 +257,25 @@ def test_cuda_backward_reads_the_forwards_records(gdn, monkeypatch):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.parametrize("within", [True, False], ids=["gate_within", "gate_beyond"])
+def test_cuda_gate_check_not_yet_reached(within, monkeypatch):
+    """A backward that comes before the device has reached its forward's gate check (the event not
+    passed: forced here) runs the kernels as if the gate passed, then reads the check: a gate within
+    the kernels' span keeps their gradients, one beyond it gets the backward again on PyTorch; either
+    way the gradients match fp64 (GDN, precomputed log decays, varlen)."""
+    kw = make_inputs(H=4, D=128, gdn=True, gate="precomputed", lens=[100, 1, 37], dtype=torch.bfloat16,
+                     device="cuda", seed=6)
+    if not within:  # 16 tokens of -8 each: beyond the span
+        kw["g"] = torch.full_like(kw["g"], -8.0)
+    do, dht = _upstream(kw)
+    monkeypatch.setattr(torch.cuda.Event, "query", lambda self: False)
+    got, names = with_kernel_names(lambda: grads_of(public_fn("chunk", True), kw, do, dht, output_final_state=True))
+    assert sum("chunk_local_grad_kernel" in n for n in names) == 1, "the gradients pass did not run as if the gate passed"
+    _check_grads(got, grads64(kw, do, dht), CUDA_TOL[torch.bfloat16], f"within={within}")
+
+
+@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("case", ["bf16_lower_bound_varlen_vfirst", "bf16_lower_bound_gva"])
 def test_cuda_backward_without_room_for_the_gradients_pass(case, monkeypatch):
     """A device without room for the gradients pass (sm_80's shared memory, stood in for here): the
@@ -331,15 +350,21 @@ def test_decayed_grams_pivot_equals_exact():
         torch.testing.assert_close(pivoted, exact, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("passed", [True, False], ids=["event_passed", "event_ahead"])
 @pytest.mark.parametrize("within", [True, False])
-def test_forward_gate_check_reaches_the_backward(monkeypatch, within):
+def test_forward_gate_check_reaches_the_backward(monkeypatch, within, passed):
     """The answer of a forward's gate check (ForwardRecords.gate_check) reaches the backward's choice
     of path after its event, not a read of the device; the forward's states and records reach the
-    backward op (here on the CPU, where the PyTorch path runs whatever they say)."""
+    backward op (here on the CPU, where the PyTorch path runs whatever they say). An event the
+    device has not passed yet is waited for only after the backward ran as if the gate passed; a
+    gate that fails the check then gets the backward again."""
     import flashkda.autograd as ag
 
     class Event:
         synchronized = False
+
+        def query(self):
+            return passed
 
         def synchronize(self):
             Event.synchronized = True
@@ -366,7 +391,7 @@ def test_forward_gate_check_reaches_the_backward(monkeypatch, within):
         return ChunkFunction.apply(run, opts, *[call.get(n) for n in NAMES])
 
     got = grads_of(fn, kw, do, dht, output_final_state=True)
-    assert Event.synchronized and seen == [within]
+    assert Event.synchronized != passed and seen == ([within] if passed else [True] if within else [True, False])
     _check_grads(got, grads64(kw, do, dht), 2e-5)
 
 
