@@ -118,7 +118,8 @@ def test_verifiers_reject_cpu_tensors():
 
 def test_verifiers_under_autograd(monkeypatch):
     """Training calls of the chunked entries: by default flashkda's for a lower-bound gate (only the
-    device is wrong here), FLA's for an unbounded gate, GDN and under a context; all flashkda's with
+    device is wrong here), FLA's for an unbounded gate, GDN, head dims other than 128 and under a
+    context; all flashkda's with
     FLASHKDA_FLA_TRAINING=1, none with =0; decode under autograd and FLA's inference-only
     intermediate states never."""
     kw = _inputs(D=128)
@@ -129,10 +130,13 @@ def test_verifiers_under_autograd(monkeypatch):
     monkeypatch.delenv(integ.TRAINING_ENV_VAR, raising=False)
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
     assert not ok and "grad" not in reason and "cpu" in reason
+    small = _inputs(D=64)
+    small["q"].requires_grad_(True)
     for verifier, call in ((integ.chunk_kda_verifier, {**kw, **softplus}),
-                           (integ.chunk_gated_delta_rule_verifier, gdn)):
+                           (integ.chunk_gated_delta_rule_verifier, gdn), (integ.chunk_kda_verifier, {**small, **GATE})):
         ok, reason = verifier(**call)
         assert not ok and "requires grad" in reason and integ.TRAINING_ENV_VAR in reason, reason
+    assert "head dims" in reason, reason
     monkeypatch.setenv(integ.TRAINING_ENV_VAR, "0")
     ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
     assert not ok and f"{integ.TRAINING_ENV_VAR}=0" in reason

@@ -56,6 +56,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from flashkda import _constants as _C
 from flashkda import _ext
 from flashkda import api as _api
 from flashkda import autograd as _autograd
@@ -132,8 +133,8 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
     """Why a call with an input that requires grad under autograd stays FLA's, or None (also for a
     call without one). ``FLASHKDA_FLA_TRAINING=1``: none; ``=0``: every one. Unset: flashkda takes
     the calls whose backward runs on its CUDA kernels with no look at the data (a chunk_kda gate
-    with a lower bound, bf16 / fp16 inputs, a device that runs the backward's whole gradients pass,
-    no context parallelism), measured faster than FLA's (BENCHMARK_H200.md, "Training"); the others
+    with a lower bound, K = V = 128, bf16 / fp16 inputs, a device that runs the backward's whole
+    gradients pass, no context parallelism), measured faster than FLA's (BENCHMARK_H200.md, "Training"); the others
     (GDN, unbounded gates, whose backward checks the gate's spans, the gradients pass in value halves
     of sm_80) are not."""
     q = tensors[0]
@@ -151,6 +152,9 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
         why = "context parallelism under autograd is not measured faster than FLA's"
     if why is None and q.dtype not in (torch.bfloat16, torch.float16):
         why = f"{q.dtype} inputs (flashkda's measured backward: bfloat16 / float16)"
+    v = tensors[2]
+    if why is None and isinstance(v, torch.Tensor) and not (q.shape[-1] == v.shape[-1] == _C.CHUNK_HEAD_DIM):
+        why = f"head dims K = {q.shape[-1]}, V = {v.shape[-1]} (the backward's kernels take {_C.CHUNK_HEAD_DIM})"
     if why is None and q.is_cuda and _ext.HAS_EXTENSION:
         short = _ext.chunk_bwd_shortfall(q.get_device())
         if short is None and not _autograd._gate_bounded(True, lower_bound):
