@@ -134,9 +134,9 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
     call without one). ``FLASHKDA_FLA_TRAINING=1``: none; ``=0``: every one. Unset: flashkda takes
     the calls whose backward runs on its CUDA kernels with no look at the data (a chunk_kda gate
     with a lower bound, K = V = 128, bf16 / fp16 inputs, a device that runs the backward's whole
-    gradients pass, no context parallelism), measured faster than FLA's (BENCHMARK_H200.md, "Training"); the others
-    (GDN, unbounded gates, whose backward checks the gate's spans, the gradients pass in value halves
-    of sm_80) are not."""
+    gradients pass, no context parallelism), measured faster than FLA's (BENCHMARK_H200.md,
+    "Training"); the others (GDN, unbounded gates, whose backward checks the gate's spans, the
+    gradients pass in value halves of sm_80) are not."""
     q = tensors[0]
     if not _api._needs_grad(*tensors):
         return None
