@@ -503,15 +503,20 @@ def _state_grad_scan(loc: _Local, D: torch.Tensor, dO: torch.Tensor, dS: torch.T
     return nexts.view(J, N, HV, K, V).permute(1, 2, 0, 3, 4), dS0
 
 
+def head_dim_shortfall(K: int, V: int) -> Optional[str]:
+    """Why the backward's kernels do not take these head dims, or None."""
+    if K != C.CHUNK_HEAD_DIM or V != C.CHUNK_HEAD_DIM:
+        return f"head dims K = {K}, V = {V} (the backward's kernels take {C.CHUNK_HEAD_DIM})"
+    return None
+
+
 def _device_shortfall(qp: torch.Tensor, V: int) -> Optional[str]:
     """Why no CUDA kernel of the backward takes these inputs (device, extension, head dims), or None."""
     if not qp.is_cuda:
         return "inputs not on a CUDA device"
     if not _ext.HAS_EXTENSION:
         return "the CUDA extension is not built"
-    if qp.shape[-1] != C.CHUNK_HEAD_DIM or V != C.CHUNK_HEAD_DIM:
-        return f"head dims K = {qp.shape[-1]}, V = {V} (the backward's kernel takes {C.CHUNK_HEAD_DIM})"
-    return None
+    return head_dim_shortfall(qp.shape[-1], V)
 
 
 def _gate_shortfall(opts: ChunkOptions, gp: Optional[torch.Tensor], gate_within: Optional[bool]) -> Optional[str]:

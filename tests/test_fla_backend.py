@@ -119,9 +119,8 @@ def test_verifiers_reject_cpu_tensors():
 def test_verifiers_under_autograd(monkeypatch):
     """Training calls of the chunked entries: by default flashkda's for a lower-bound gate (only the
     device is wrong here), FLA's for an unbounded gate, GDN, head dims other than 128 and under a
-    context; all flashkda's with
-    FLASHKDA_FLA_TRAINING=1, none with =0; decode under autograd and FLA's inference-only
-    intermediate states never."""
+    context; all flashkda's with FLASHKDA_FLA_TRAINING=1, none with =0; decode under autograd and
+    FLA's inference-only intermediate states never."""
     kw = _inputs(D=128)
     kw["q"].requires_grad_(True)
     softplus = {**GATE, "lower_bound": None}

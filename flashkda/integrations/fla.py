@@ -56,7 +56,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from flashkda import _constants as _C
 from flashkda import _ext
 from flashkda import api as _api
 from flashkda import autograd as _autograd
@@ -153,8 +152,8 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
     if why is None and q.dtype not in (torch.bfloat16, torch.float16):
         why = f"{q.dtype} inputs (flashkda's measured backward: bfloat16 / float16)"
     v = tensors[2]
-    if why is None and isinstance(v, torch.Tensor) and not (q.shape[-1] == v.shape[-1] == _C.CHUNK_HEAD_DIM):
-        why = f"head dims K = {q.shape[-1]}, V = {v.shape[-1]} (the backward's kernels take {_C.CHUNK_HEAD_DIM})"
+    if why is None and isinstance(v, torch.Tensor):
+        why = _autograd.head_dim_shortfall(q.shape[-1], v.shape[-1])
     if why is None and q.is_cuda and _ext.HAS_EXTENSION:
         short = _ext.chunk_bwd_shortfall(q.get_device())
         if short is None and not _autograd._gate_bounded(True, lower_bound):
