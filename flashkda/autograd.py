@@ -523,10 +523,16 @@ def _gate_shortfall(opts: ChunkOptions, gp: Optional[torch.Tensor], gate_within:
     """Why the gate keeps the backward off its bf16 kernel path, or None: the log decays ``gp``
     (preprocessed, ``[B, T, HV, K]``, or ``[B, T, HV]`` for a scalar gate) of every 16 consecutive
     tokens must stay within the kernels' span: known from a lower bound, or from the forward's check
-    (``gate_within``, :class:`GateCheck`), else one look at the device (a synchronisation)."""
+    (``gate_within``, :class:`GateCheck`), else one look at the device (a synchronisation, which
+    CUDA graph capture forbids: a ``RuntimeError`` naming it there)."""
     span = _ext.CHUNK_BWD_MAX_SUBCHUNK_SPAN
     if _gate_bounded(opts.use_gate_in_kernel, opts.lower_bound):
         return None
+    if gate_within is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "flashkda: under CUDA graph capture the backward cannot check a gate without a lower bound against "
+            f"its kernels' span (a read of the device); capture with use_gate_in_kernel=True and lower_bound >= "
+            f"{-span / _SUB_CHUNK:g}, or run this backward outside the capture")
     if not (gate_within if gate_within is not None else _spans_within(gp, span)):
         return f"log decays summing below -{span:g} over {_SUB_CHUNK} tokens"
     return None

@@ -395,6 +395,24 @@ def test_forward_gate_check_reaches_the_backward(monkeypatch, within, passed):
     _check_grads(got, grads64(kw, do, dht), 2e-5)
 
 
+def test_gate_check_under_capture_names_it(monkeypatch):
+    """A backward under CUDA graph capture that would have to read an unbounded gate's span check
+    from the device (the forward skipped it) raises an error naming the capture and the way out,
+    not CUDA's; a bounded gate or the forward's answer needs no read and passes."""
+    import flashkda.autograd as ag
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(ag, "_spans_within", lambda *a: pytest.fail("the backward read the device under capture"))
+    monkeypatch.setattr(ag._ext, "CHUNK_BWD_MAX_SUBCHUNK_SPAN", 80.0, raising=False)
+    softplus = ChunkOptions(1.0, True, True, None, True, False, False, None, None)
+    gp = torch.zeros(1, 16, 2)
+    with pytest.raises(RuntimeError, match="CUDA graph capture.*lower_bound >= -5"):
+        ag._gate_shortfall(softplus, gp, None)
+    assert ag._gate_shortfall(softplus, gp, True) is None
+    assert ag._gate_shortfall(softplus._replace(lower_bound=-5.0), gp, None) is None
+
+
 @pytest.mark.parametrize("name", ["q", "initial_state", "A_log"])
 def test_chunk_backward_one_input_requires_grad(name):
     """Only one input requires grad (q reaches the output alone, the initial state both outputs)."""
