@@ -513,6 +513,47 @@ def test_cuda_training_call_captures_in_a_graph():
         assert rel_err(a, b) <= 1e-5, f"d{name}: {rel_err(a, b):.2e}"
 
 
+@cuda
+@pytest.mark.cuda
+def test_cuda_unbounded_gate_under_capture_names_it():
+    """A GDN training step (softplus gate in the kernel, no lower bound) captured in a CUDA graph:
+    the forward makes no gate check under capture, so the backward would have to read the gate's
+    spans from the device; it raises the error naming the capture, not CUDA's."""
+    kw = make_inputs(T=100, H=2, D=128, gdn=True, gate="softplus", dtype=torch.bfloat16, device="cuda", seed=43)
+    do, _ = _upstream(kw)
+    leaves = {n: kw[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    call = dict(kw, **leaves)
+
+    def step():
+        o, _ = flashkda.chunk_gated_delta_rule(**call)
+        return torch.autograd.grad([o], list(leaves.values()), [do])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # outside capture the backward reads the forward's check
+    torch.cuda.current_stream().wait_stream(side)
+    with pytest.raises(RuntimeError, match="CUDA graph capture.*lower_bound >= -5"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            step()
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("gdn", [False, True], ids=["kda", "gdn"])
+def test_cuda_decays_at_the_span_edge_on_the_kernels(gdn):
+    """Log decays of -4.9 on every token (78.4 over 16 tokens, just inside the kernels' span of 80)
+    take the kernel path (the gradients pass found by name), and its gradients stay within the bf16
+    bound of fp64: the span's edge is inside what the kernels compute accurately."""
+    kw = make_inputs(H=4, D=128, gdn=gdn, gate="precomputed", lens=[130, 17, 64], dtype=torch.bfloat16,
+                     device="cuda", seed=44)
+    kw["g"] = torch.full_like(kw["g"], -4.9)
+    do, dht = _upstream(kw)
+    got, names = with_kernel_names(lambda: grads_of(public_fn("chunk", gdn), kw, do, dht, output_final_state=True))
+    assert any("chunk_local_grad_kernel" in n for n in names), "the gradients pass did not run"
+    _check_grads(got, grads64(kw, do, dht), CUDA_TOL[torch.bfloat16], f"gdn={gdn}")
+
+
 def test_chunk_function_traces_fullgraph():
     """torch.compile(fullgraph=True) traces ChunkFunction: its forward (here the reference; on a GPU the
     kernels' registered op) and the opaque backward op, with the eager gradients."""

@@ -117,22 +117,24 @@ def test_verifiers_reject_cpu_tensors():
 
 
 def test_verifiers_under_autograd(monkeypatch):
-    """Training calls of the chunked entries: by default flashkda's for a lower-bound gate (only the
-    device is wrong here), FLA's for an unbounded gate, GDN, head dims other than 128 and under a
-    context; all flashkda's with FLASHKDA_FLA_TRAINING=1, none with =0; decode under autograd and
-    FLA's inference-only intermediate states never."""
+    """Training calls of the chunked entries: by default flashkda's for a lower-bound gate and GDN
+    (only the device is wrong here), FLA's for an unbounded chunk_kda gate, head dims other than 128
+    and under a context; all flashkda's with FLASHKDA_FLA_TRAINING=1, none with =0; decode under
+    autograd and FLA's inference-only intermediate states never."""
     kw = _inputs(D=128)
     kw["q"].requires_grad_(True)
     softplus = {**GATE, "lower_bound": None}
     gdn = {**_gdn(_inputs(D=128)), **GDN_LAYER}
     gdn["v"].requires_grad_(True)
     monkeypatch.delenv(integ.TRAINING_ENV_VAR, raising=False)
-    ok, reason = integ.chunk_kda_verifier(**kw, **GATE)
-    assert not ok and "grad" not in reason and "cpu" in reason
+    for verifier, call in ((integ.chunk_kda_verifier, {**kw, **GATE}), (integ.chunk_gated_delta_rule_verifier, gdn)):
+        ok, reason = verifier(**call)
+        assert not ok and "grad" not in reason and "cpu" in reason, reason
     small = _inputs(D=64)
     small["q"].requires_grad_(True)
     for verifier, call in ((integ.chunk_kda_verifier, {**kw, **softplus}),
-                           (integ.chunk_gated_delta_rule_verifier, gdn), (integ.chunk_kda_verifier, {**small, **GATE})):
+                           (integ.chunk_gated_delta_rule_verifier, {**gdn, **_gdn(small)}),
+                           (integ.chunk_kda_verifier, {**small, **GATE})):
         ok, reason = verifier(**call)
         assert not ok and "requires grad" in reason and integ.TRAINING_ENV_VAR in reason, reason
     assert "head dims" in reason, reason
@@ -526,6 +528,39 @@ def test_gpu_training_call_served(kernel_calls, monkeypatch):
     with _ext.kernel_family("sm80"):  # the gradients pass in value halves: not measured against FLA
         ok, reason = integ.chunk_kda_verifier(**kw, **GATE, safe_gate=True)
     assert not ok and "value halves" in reason and integ.TRAINING_ENV_VAR in reason, reason
+
+
+@cuda
+def test_gpu_gdn_training_call_served(kernel_calls, monkeypatch):
+    """By default FLA's chunk_gated_delta_rule under autograd, as FLA's GatedDeltaNet layer calls it,
+    runs flashkda's kernels, records flashkda's backward and gives the direct call's output and
+    gradients; under CUDA graph capture, where that backward could not read its gate check, the
+    verifier leaves the call to FLA."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gdn
+
+    monkeypatch.delenv(integ.TRAINING_ENV_VAR, raising=False)
+    kw = _gdn(_inputs(lens=[37, 1, 70], H=2, HV=4, D=128, device="cuda"))
+    kw.update(A_log=kw["A_log"].bfloat16(), dt_bias=kw["dt_bias"].bfloat16(), cu_seqlens=kw["cu_seqlens"].long())
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+    def run(fn):
+        call = dict(kw, **{n: kw[n].detach().clone().requires_grad_() for n in names})
+        o, _ = fn(**call, **GDN_LAYER)
+        o.float().square().sum().backward()
+        return o, [call[n].grad for n in names], call
+
+    n = len(kernel_calls)
+    o, got, call = run(fla_chunk_gdn)
+    assert type(o.grad_fn).__name__ == "ChunkFunctionBackward" and len(kernel_calls) == n + 1
+    want_o, want, _ = run(flashkda.chunk_gated_delta_rule)
+    torch.testing.assert_close(o, want_o, rtol=0, atol=0)
+    for name, a, b in zip(names, got, want):  # shared-memory atomics sum some partials in any order
+        assert a is not None and rel_err(a, b) <= 1e-5, f"d{name}: {rel_err(a, b):.2e}"
+    x = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        x.add_(1)
+        ok, reason = integ.chunk_gated_delta_rule_verifier(**call, **GDN_LAYER)
+    assert not ok and "capture" in reason and integ.TRAINING_ENV_VAR in reason, reason
 
 
 @pytest.mark.skipif(not _ext.HAS_EXTENSION, reason="spies on the extension's fast entry")

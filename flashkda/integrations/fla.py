@@ -85,8 +85,8 @@ BACKEND_TYPE = "flashkda"
 #: ``FLASHKDA_FLA_BACKEND=0`` disables the backend.
 ENV_VAR = "FLASHKDA_FLA_BACKEND"
 #: Calls under autograd (read at call time): ``FLASHKDA_FLA_TRAINING=1`` serves every one the chunked
-#: entries take, ``=0`` none; unset, those whose backward runs on flashkda's CUDA kernels with no
-#: look at the data, measured faster than FLA's (:func:`_training_reason`).
+#: entries take, ``=0`` none; unset, those whose backward runs on flashkda's CUDA kernels, measured
+#: faster than FLA's (:func:`_training_reason`).
 TRAINING_ENV_VAR = "FLASHKDA_FLA_TRAINING"
 #: FLA tries lower priorities first; its built-ins use 0 (Ascend NPU), 3 (flash_kda) and 5 (default).
 PRIORITY = -10
@@ -131,11 +131,13 @@ def _kernel_reason(fn: str, q, k, v, g, beta, *, initial_state, A_log, dt_bias, 
 def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Optional[str]:
     """Why a call with an input that requires grad under autograd stays FLA's, or None (also for a
     call without one). ``FLASHKDA_FLA_TRAINING=1``: none; ``=0``: every one. Unset: flashkda takes
-    the calls whose backward runs on its CUDA kernels with no look at the data (a chunk_kda gate
-    with a lower bound, K = V = 128, bf16 / fp16 inputs, a device that runs the backward's whole
-    gradients pass, no context parallelism), measured faster than FLA's (BENCHMARK_H200.md,
-    "Training"); the others (GDN, unbounded gates, whose backward checks the gate's spans, the
-    gradients pass in value halves of sm_80) are not."""
+    the calls whose backward runs on its CUDA kernels, measured faster than FLA's
+    (BENCHMARK_H200.md, "Training"): K = V = 128, bf16 / fp16 inputs, a device that runs the
+    backward's whole gradients pass, no context parallelism, and a chunk_kda gate with a lower
+    bound (no look at the data) or GDN's scalar gate (checked against the kernels' span by the
+    forward, the answer read by the backward after its launches; under CUDA graph capture, where
+    that read is not allowed, the call stays FLA's). Unbounded chunk_kda gates (the check over
+    every channel) and the gradients pass in value halves of sm_80 are not measured faster."""
     q = tensors[0]
     if not _api._needs_grad(*tensors):
         return None
@@ -143,9 +145,9 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
     if mode == "1":
         return None
     why = f"{TRAINING_ENV_VAR}=0" if mode == "0" else None
-    if why is None and scalar_gate:
-        why = "flashkda's GDN backward is not measured faster than FLA's"
-    if why is None and lower_bound is None:
+    if why is None and scalar_gate and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        why = "under CUDA graph capture flashkda's GDN backward cannot read its check of the gate's span"
+    if why is None and not scalar_gate and lower_bound is None:
         why = "without a lower-bound gate flashkda's backward reads the gate back and is not measured faster"
     if why is None and cp_context is not None:
         why = "context parallelism under autograd is not measured faster than FLA's"
@@ -156,7 +158,7 @@ def _training_reason(tensors, cp_context, lower_bound, scalar_gate: bool) -> Opt
         why = _autograd.head_dim_shortfall(q.shape[-1], v.shape[-1])
     if why is None and q.is_cuda and _ext.HAS_EXTENSION:
         short = _ext.chunk_bwd_shortfall(q.get_device())
-        if short is None and not _autograd._gate_bounded(True, lower_bound):
+        if short is None and not scalar_gate and not _autograd._gate_bounded(True, lower_bound):
             short = f"lower_bound={lower_bound} (16 tokens may decay beyond the kernels' span)"
         if short is not None:
             why = f"flashkda's backward kernels do not serve it: {short}"
