@@ -31,7 +31,8 @@ OUT=${OUT:-/tmp/flashkda_out}; mkdir -p "$OUT"
 # backend file, then the prefill rows with the FLA baselines) | profile (bench/ncu_hotspots.sh on
 # chunk_prepare, chunk_recurrence and the sm_90 decode kernel) | prefix (prefix caching: the
 # required cases of bench/test_prefill.py with the plain call and FLA's flagged call, then
-# bench/prefix_variants.py).
+# bench/prefix_variants.py) | sanitize (memcheck and racecheck of tests/sanitize_chunk.py, each under
+# SANITIZE_LIMIT seconds, default 150).
 # FLA's Triton kernels compile (and autotune) on first use: minutes on a fresh machine (one test
 # took 205 s). A Triton cache from an earlier run, carried as .cache/triton.tar.xz.NN (git-ignored:
 # name .cache in the device call's carry), is unpacked first. Every run leaves its cache in
@@ -65,6 +66,21 @@ if [[ $what != fla_warm ]]; then
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 rc=0
+# memcheck and racecheck on tests/sanitize_chunk.py (every path of the chunked kernels, the
+# backward's included), each stopped after $1 seconds; the findings also in $OUT/sanitize.txt.
+run_sanitizers() {
+  local tool status
+  for tool in memcheck racecheck; do
+    PYTHONPATH=.:tests${PYTHONPATH:+:$PYTHONPATH} timeout "$1" compute-sanitizer --tool $tool --print-limit 5 \
+      python3 tests/sanitize_chunk.py >"$OUT/$tool.log" 2>&1
+    status=$?
+    { grep -E "SUMMARY|Race reported|Invalid|access at" "$OUT/$tool.log" | head -12
+      (( status == 124 )) && echo "$tool: stopped after $1 s"; } | tee -a "$OUT/sanitize.txt" | head -3
+  done
+}
+if [[ $what == sanitize ]]; then
+  run_sanitizers ${SANITIZE_LIMIT:-150}
+fi
 if [[ $what == fla_warm ]]; then
   # FLA's Triton kernels for the training benchmarks, compiled (and autotuned) into the cache that
   # the EXIT trap saves, with no build beside them: FLA's training rows (timed: nothing else runs),
@@ -103,10 +119,7 @@ if [[ $what == quick ]]; then
   python3 -m pytest -q ${TESTS:-tests/test_cuda_chunk.py} -m "not slow" --tb=line -p no:cacheprovider 2>&1 \
     | grep -v DEBUG | tail -25 || rc=1
   if [[ ${SANITIZE:-0} == 1 ]]; then  # memcheck + racecheck on a small varlen case of every kernel path
-    for tool in memcheck racecheck; do
-      PYTHONPATH=.:tests${PYTHONPATH:+:$PYTHONPATH} compute-sanitizer --tool $tool --print-limit 5 \
-        python3 tests/sanitize_chunk.py 2>&1 | grep -E "SUMMARY|Race reported|Invalid|done" | head -8
-    done
+    run_sanitizers 120
   fi
   PYTHONPATH=.:bench${PYTHONPATH:+:$PYTHONPATH} python3 bench/prefill_quick.py --json "$OUT/quick.json" ${QUICK_ARGS:-} \
     2>&1 | grep -v -i warn || rc=1
@@ -124,10 +137,7 @@ if [[ $what == check ]]; then
   { cmake -S . -B build/cmake -DCMAKE_CUDA_ARCHITECTURES=90a >/dev/null \
       && cmake --build build/cmake -j 16 --target flashkda_prefill_decode >"$OUT/cmake.log" 2>&1 \
       && timeout 60 ./build/cmake/flashkda_prefill_decode; } 2>&1 | tail -3
-  for tool in memcheck racecheck; do  # also kept in $OUT/sanitize.txt (the printed tail may cut it)
-    timeout 120 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \
-      | grep -E "SUMMARY|Race reported|Invalid|access at" | head -12 | tee -a "$OUT/sanitize.txt" | head -3
-  done
+  run_sanitizers 120
   FLASHKDA_FLA_BACKEND=0 timeout 150 python3 bench/diagnose.py 2>&1 | grep -v -i warn | tail -8
   FLASHKDA_FLA_BACKEND=0 timeout 60 python3 bench/host_profile.py 2>&1 | tail -11
   timeout 200 python3 bench/prefill_quick.py --splits 0 --segments "${SEGMENTS:-0,16,32,64}" --json "$OUT/quick.json" 2>&1 | grep -v -i warn
@@ -151,10 +161,7 @@ if [[ $what == ab ]]; then  # chunk_prepare variants: PATCHES (carried, e.g. in 
     fi
     timeout ${TEST_LIMIT:-120} python3 -m pytest -q ${TESTS:-tests/test_cuda_chunk.py} -m "not slow" --tb=line -p no:cacheprovider \
       2>&1 | tail -2
-    for tool in memcheck racecheck; do
-      timeout 120 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \
-        | grep -E "SUMMARY|Race reported|Invalid|access at" | head -12 | tee -a "$OUT/sanitize.txt" | head -3
-    done
+    run_sanitizers 120
     timeout 120 python3 bench/prefill_quick.py --splits 0 --json "$OUT/quick.json" 2>&1 | grep -v -i warn
   fi
 fi
@@ -214,10 +221,7 @@ if [[ $what == train ]]; then  # training: gradient tests, gradient accuracy, fw
     -o faulthandler_timeout=$(( ${BENCH_LIMIT:-240} - 20 )) -p no:cacheprovider --flashkda-results "$OUT/train.json" --benchmark-disable-gc 2>&1 | tail -2
   python3 bench/report.py "$OUT/train.json" --markdown "$OUT/train_table.md" >/dev/null && cat "$OUT/train_table.md"
   if [[ ${SANITIZE:-0} == 1 ]]; then  # memcheck + racecheck on every kernel path, the backward's included
-    for tool in memcheck racecheck; do
-      timeout 150 compute-sanitizer --tool $tool --print-limit 5 python3 tests/sanitize_chunk.py 2>&1 \
-        | grep -E "SUMMARY|Race reported|Invalid|access at" | head -12 | tee -a "$OUT/sanitize.txt" | head -3
-    done
+    run_sanitizers 150
   fi
   [[ ${MODEL:-1} == 1 ]] && timeout ${E2E_LIMIT:-300} python3 bench/train_fla_model.py --json "$OUT/train_model.json" \
     ${E2E_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/train_model.txt" | tail -6
